@@ -1,0 +1,11 @@
+"""brisk-lm: fast, hackable LLM inference in PyTorch.
+
+    import brisklm
+    llm = brisklm.load()          # bundled SmolLM2-135M-Instruct, or a path
+    llm.generate("The capital of France is", max_new_tokens=16)
+"""
+from .api import LLM, load
+from .errors import BriskError
+
+__all__ = ["LLM", "load", "BriskError"]
+__version__ = "0.1.0"

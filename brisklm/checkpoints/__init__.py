@@ -1,0 +1,116 @@
+"""Checkpoint readers: each turns a format into (ModelArgs, canonical state dict, Tokenizer).
+
+`load(path_or_name)` recognises a Hugging Face folder, a GGUF file, a native
+brisk-lm folder (written by `brisk convert`), or None for the bundled default
+model. Every problem with the input becomes a one-line BriskError naming the
+file and the fault.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BriskError
+from ..model import ModelArgs
+from ..tokenizer import Tokenizer
+
+
+@dataclass
+class Checkpoint:
+    args: ModelArgs
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    path: str
+
+
+def load(path: str | None = None, device="cpu", dtype=torch.float32) -> Checkpoint:
+    """Read a checkpoint, placing each tensor on device in dtype as it is read."""
+    if path is None:
+        from .hub import default_model_path
+        path = default_model_path()
+    path = os.path.expanduser(str(path))
+    if not os.path.exists(path):
+        raise BriskError(f"{path}: no such file or folder")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "brisk.json")):
+            from .native import load_native
+            return load_native(path, device, dtype)
+        if os.path.exists(os.path.join(path, "config.json")):
+            from .hf import load_hf_folder
+            return load_hf_folder(path, device, dtype)
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            path = os.path.join(path, ggufs[0])
+        else:
+            raise BriskError(f"{path}: not a checkpoint folder (no config.json, brisk.json "
+                             f"or single .gguf file)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        from .gguf import load_gguf
+        return load_gguf(path, device, dtype)
+    raise BriskError(f"{path}: unrecognised checkpoint format (expected a GGUF file or a "
+                     f"Hugging Face / brisk-lm folder)")
+
+
+# Our canonical per-layer names -> Hugging Face's. q/k/v and
+# gate/up are concatenated into the fused matrices.
+HF_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+HF_FUSED = {
+    "attention.wqkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                              "self_attn.v_proj.weight"],
+    "attention.wqkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                            "self_attn.v_proj.bias"],
+    "feed_forward.w13.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+}
+
+
+def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str):
+    """Canonical state dict from a getter of Hugging Face-named tensors.
+
+    Tensors are converted one at a time, so peak memory is the result plus one
+    layer's worth, never a second full copy."""
+
+    def fetch(name, shape=None):
+        if not has(name):
+            raise BriskError(f"{where}: missing tensor {name!r}")
+        t = get(name)
+        if shape is not None and tuple(t.shape) != shape:
+            raise BriskError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, "
+                             f"expected {shape}")
+        return t.to(device=device, dtype=dtype)
+
+    from ..model import canonical_names
+    shapes = canonical_names(args)
+    a = args
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    part_rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+                 "mlp.gate_proj": a.intermediate_size, "mlp.up_proj": a.intermediate_size}
+    state = {}
+    for name, shape in shapes.items():
+        if name == "tok_embeddings.weight":
+            state[name] = fetch("model.embed_tokens.weight", shape)
+        elif name == "norm.weight":
+            state[name] = fetch("model.norm.weight", shape)
+        elif name == "output.weight":
+            state[name] = fetch("lm_head.weight", shape)
+        else:
+            _, i, local = name.split(".", 2)
+            prefix = f"model.layers.{i}."
+            if local in HF_LAYER:
+                state[name] = fetch(prefix + HF_LAYER[local], shape)
+            else:
+                parts = []
+                for part in HF_FUSED[local]:
+                    rows = part_rows[part.rsplit(".", 1)[0]]
+                    parts.append(fetch(prefix + part, (rows,) + tuple(shape[1:])))
+                state[name] = torch.cat(parts)
+                del parts
+    return state

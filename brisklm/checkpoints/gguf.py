@@ -1,0 +1,167 @@
+"""GGUF files (llama.cpp's format): hyper-parameters, tokenizer, chat template, weights.
+
+Parsing and dequantization are the `gguf` library's (GGUFReader memory-maps
+the file; gguf.quants.dequantize handles F32/F16/BF16, Q8_0, Q4_0, Q4_1 and
+the K-quants). Reference: the GGUF specification in ggml's docs/gguf.md.
+
+Shapes are reversed relative to torch (GGUF lists the fastest dimension
+first); the reader's `data` is already row-major in torch order. llama.cpp's
+converter permutes the q/k rows of 'llama' models for its interleaved RoPE;
+we undo that permutation so the half-split RoPE of model.py applies to every
+source alike.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import BriskError
+from ..model import ModelArgs, rope_frequencies
+from ..tokenizer import Tokenizer, find_end_ids, from_gguf_vocab
+from . import Checkpoint, assemble_from_hf_names
+
+# GGUF architectures we run; 'llama' also covers Mistral and SmolLM2 files.
+ARCHITECTURES = {"llama": {"permuted_qk": True, "attention_bias": False},
+                 "qwen2": {"permuted_qk": False, "attention_bias": True}}
+
+GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+               "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+LLAMA3_ROPE_DEFAULTS = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def open_reader(path):
+    from gguf import GGUFReader
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # truncated data, bad magic, bad version, broken metadata
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BriskError(f"{path}: corrupt or truncated GGUF file ({msg})") from None
+
+
+def metadata(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            out[key] = field.contents()
+        except Exception:
+            continue
+    return out
+
+
+def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise BriskError(f"{path}: unsupported architecture {arch!r} in general.architecture "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+
+    def get(key, default=None, required=True):
+        full = f"{arch}.{key}"
+        if full not in meta and required and default is None:
+            raise BriskError(f"{path}: missing metadata field {full!r}")
+        return meta.get(full, default)
+
+    n_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    vocab = get("vocab_size", required=False) or len(meta.get("tokenizer.ggml.tokens", []))
+    args = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"), num_attention_heads=n_heads,
+        num_key_value_heads=get("attention.head_count_kv", n_heads),
+        head_dim=get("attention.key_length", hidden // n_heads),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_theta=get("rope.freq_base", 10000.0),
+        max_position_embeddings=get("context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=ARCHITECTURES[arch]["attention_bias"])
+    if get("expert_count", 0, required=False):
+        raise BriskError(f"{path}: mixture-of-experts GGUF files are not supported yet")
+    kind = get("rope.scaling.type", "none", required=False)
+    if kind == "linear":
+        args["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif kind not in ("none", None):
+        raise BriskError(f"{path}: unsupported rope scaling {kind!r}")
+    try:
+        return ModelArgs(**args)
+    except (TypeError, ValueError) as e:
+        raise BriskError(f"{path}: invalid hyper-parameters: {e}") from None
+
+
+def _check_rope_freqs(args: ModelArgs, tensor, path) -> ModelArgs:
+    """Llama 3.1 files store rope frequency divisors instead of the scaling recipe."""
+    factors = torch.from_numpy(np.array(tensor.data, dtype=np.float32)).flatten()
+    base = rope_frequencies(ModelArgs(**{**args.to_dict(), "rope_scaling": None}))
+    args.rope_scaling = dict(LLAMA3_ROPE_DEFAULTS)
+    scaled = rope_frequencies(args)
+    if factors.shape != base.shape or not torch.allclose(base / factors, scaled, rtol=1e-4):
+        raise BriskError(f"{path}: unsupported rope_freqs.weight (not Llama 3.1's recipe)")
+    return args
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-RoPE row order within each head."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def load_tokenizer(meta: dict, path: str) -> Tokenizer:
+    g = lambda k, d=None: meta.get(f"tokenizer.ggml.{k}", d)  # noqa: E731
+    if g("tokens") is None:
+        raise BriskError(f"{path}: no tokenizer in the file (tokenizer.ggml.tokens)")
+    try:
+        backend = from_gguf_vocab(g("model"), g("pre"), list(g("tokens")),
+                                  list(g("token_type", [])), g("merges"), g("scores"),
+                                  bool(g("add_space_prefix", True)), g("unknown_token_id"))
+    except ValueError as e:
+        raise BriskError(f"{path}: {e}") from None
+    eos = [g("eos_token_id"), g("eot_token_id"), g("eom_token_id")]
+    add_bos = g("add_bos_token", g("model") == "llama")
+    return Tokenizer(backend, g("bos_token_id"), find_end_ids(backend, eos), bool(add_bos),
+                     meta.get("tokenizer.chat_template"))
+
+
+def load_gguf(path: str, device, dtype) -> Checkpoint:
+    from gguf.quants import dequantize
+    reader = open_reader(path)
+    meta = metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    args = read_args(meta, path, tensors)
+    if "rope_freqs.weight" in tensors:
+        args = _check_rope_freqs(args, tensors["rope_freqs.weight"], path)
+    arch = meta["general.architecture"]
+    by_hf = {}
+    for name in tensors:
+        if name in GGUF_GLOBAL:
+            by_hf[GGUF_GLOBAL[name]] = name
+        elif name.startswith("blk."):
+            _, i, local = name.split(".", 2)
+            if local in GGUF_LAYER:
+                by_hf[f"model.layers.{i}.{GGUF_LAYER[local]}"] = name
+
+    def get(hf_name):
+        t = tensors[by_hf[hf_name]]
+        try:
+            data = dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise BriskError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name}: {e}") from None
+        w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        if ARCHITECTURES[arch]["permuted_qk"]:
+            if hf_name.endswith("q_proj.weight"):
+                w = unpermute_qk(w, args.num_attention_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                w = unpermute_qk(w, args.num_key_value_heads)
+        return w
+
+    state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path)
+    return Checkpoint(args, state, load_tokenizer(meta, path), path)

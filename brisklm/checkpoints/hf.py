@@ -1,0 +1,96 @@
+"""Hugging Face folders: config.json + *.safetensors (sharded or not) + tokenizer files.
+
+Tensors are read through safetensors' memory map, one at a time, converted
+to the target dtype/device and fused (q/k/v, gate/up) as they arrive.
+`pytorch_model*.bin` is read with torch.load(weights_only=True), which refuses
+arbitrary pickled objects.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..errors import BriskError
+from ..model import ModelArgs
+from ..tokenizer import load_hf_tokenizer
+from . import Checkpoint, assemble_from_hf_names
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+             "Qwen2ForCausalLM": "qwen2"}
+
+
+def read_config(folder: str) -> ModelArgs:
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BriskError(f"{path}: cannot read config: {e}") from None
+    arch = (config.get("architectures") or [None])[0]
+    model_type = config.get("model_type")
+    if arch not in SUPPORTED and model_type not in SUPPORTED.values():
+        raise BriskError(f"{path}: unsupported architecture {arch or model_type!r} "
+                         f"(supported: {', '.join(SUPPORTED)})")
+    if model_type == "qwen2" or arch == "Qwen2ForCausalLM":
+        config.setdefault("attention_bias", True)
+    try:
+        return ModelArgs.from_dict(config)
+    except (TypeError, ValueError, KeyError) as e:
+        raise BriskError(f"{path}: invalid config: {e}") from None
+
+
+class _TensorFiles:
+    """Name -> tensor over the folder's safetensors (or .bin) files, lazily."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+        self.index: dict[str, str] = {}
+        self.handles = {}
+        if files:
+            for f in files:
+                for key in self._open(f).keys():
+                    self.index[key] = f
+        else:
+            bins = sorted(f for f in os.listdir(folder)
+                          if f.startswith("pytorch_model") and f.endswith(".bin"))
+            if not bins:
+                raise BriskError(f"{folder}: no *.safetensors or pytorch_model*.bin weights")
+            for f in bins:
+                for key in self._open(f):
+                    self.index[key] = f
+
+    def _open(self, fname):
+        if fname not in self.handles:
+            path = os.path.join(self.folder, fname)
+            try:
+                if fname.endswith(".safetensors"):
+                    from safetensors import safe_open
+                    self.handles[fname] = safe_open(path, framework="pt")
+                else:
+                    import torch
+                    self.handles[fname] = torch.load(path, map_location="cpu", mmap=True,
+                                                     weights_only=True)
+            except Exception as e:  # corrupt header, truncated file, refused pickle
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise BriskError(f"{path}: corrupt or truncated weights file ({msg})") from None
+        return self.handles[fname]
+
+    def has(self, name):
+        return name in self.index
+
+    def get(self, name):
+        fname = self.index[name]
+        handle = self._open(fname)
+        try:
+            return handle.get_tensor(name) if fname.endswith(".safetensors") else handle[name]
+        except Exception as e:
+            raise BriskError(f"{os.path.join(self.folder, fname)}: cannot read tensor "
+                             f"{name!r} ({e})") from None
+
+
+def load_hf_folder(folder: str, device, dtype) -> Checkpoint:
+    args = read_config(folder)
+    files = _TensorFiles(folder)
+    state = assemble_from_hf_names(args, files.get, files.has, device, dtype, folder)
+    return Checkpoint(args, state, load_hf_tokenizer(folder), folder)

@@ -1,0 +1,63 @@
+"""brisk-lm's own checkpoint: a folder written by `brisk convert`.
+
+    brisk.json          {"format": "brisklm", "version": 1, "model_args": {...}, "tokenizer": {...}}
+    model.safetensors   the canonical state dict (see model.canonical_names)
+    tokenizer files     as the tokenizer backend saves them
+
+It loads with no name mapping, no fusion and no dequantization: a memory
+map, then assignment.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..errors import BriskError
+from ..model import ModelArgs, canonical_names
+from ..tokenizer import Tokenizer
+from . import Checkpoint
+
+FORMAT_VERSION = 1
+
+
+def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Tokenizer | None):
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    tensors = {n: state_dict[n].contiguous() for n in canonical_names(args)}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
+            "tokenizer": tokenizer.save(folder) if tokenizer else None}
+    with open(os.path.join(folder, "brisk.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=1)
+
+
+def load_native(folder: str, device, dtype) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+    meta_path = os.path.join(folder, "brisk.json")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            info = json.load(f)
+        args = ModelArgs(**info["model_args"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BriskError(f"{meta_path}: invalid brisk-lm checkpoint metadata ({e})") from None
+    if info.get("version") != FORMAT_VERSION:
+        raise BriskError(f"{meta_path}: unsupported format version {info.get('version')!r}")
+    weights = os.path.join(folder, "model.safetensors")
+    state = {}
+    try:
+        with safe_open(weights, framework="pt", device=str(device)) as f:
+            keys = set(f.keys())
+            for name, shape in canonical_names(args).items():
+                if name not in keys:
+                    raise BriskError(f"{weights}: missing tensor {name!r}")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shape:
+                    raise BriskError(f"{weights}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                     f"expected {shape}")
+                state[name] = t.to(dtype)
+    except (SafetensorError, OSError) as e:
+        raise BriskError(f"{weights}: corrupt or truncated weights file ({e})") from None
+    tok = Tokenizer.from_saved(folder, info["tokenizer"]) if info.get("tokenizer") else None
+    return Checkpoint(args, state, tok, folder)

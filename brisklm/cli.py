@@ -1,0 +1,208 @@
+"""`brisk`: generate, chat, convert and download from the command line.
+
+User errors (bad paths, corrupt files, bad values) print one line
+`error: ...` and exit with status 2; they never show a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+from .errors import BriskError
+
+
+def _model_flags(p: argparse.ArgumentParser):
+    p.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
+                   help="HF folder, GGUF file or native folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--preset", default=None,
+                   help="a named shape with random weights instead of a checkpoint (see presets.py)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
+    p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: min(context, 4096))")
+
+
+def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
+    p.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--min_p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="brisk", description="Fast, hackable LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="continue a prompt")
+    _model_flags(g)
+    _sampling_flags(g)
+    g.add_argument("--prompt", default="Hello, my name is")
+    g.add_argument("--num_samples", type=int, default=1)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--profile", default=None, help="write a torch.profiler trace of the last sample here")
+    g.add_argument("--quiet", action="store_true", help="print only the generated text")
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    _model_flags(c)
+    _sampling_flags(c, max_new_tokens=512)
+    c.add_argument("--system", default=None, help="system message")
+
+    v = sub.add_parser("convert", help="write a checkpoint as a native brisk-lm folder")
+    v.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
+    v.add_argument("--output", required=True)
+    v.add_argument("--dtype", default="bfloat16")
+
+    d = sub.add_parser("download", help="fetch a Hugging Face repo (or, with no id, the default model)")
+    d.add_argument("repo_id", nargs="?", default=None)
+    d.add_argument("--revision", default=None)
+    return parser
+
+
+def _load(args, quiet=False):
+    from .api import load
+    if args.checkpoint_path and args.preset:
+        raise BriskError("give either --checkpoint_path or --preset, not both")
+    return load(args.checkpoint_path, device=args.device, dtype=args.dtype, compile=args.compile,
+                compile_prefill=args.compile_prefill, max_seq_length=args.max_seq_length,
+                preset=args.preset, quiet=quiet)
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p)
+
+
+def _peak_memory_gb(device) -> float:
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB -> GB
+
+
+def cmd_generate(args):
+    import torch
+    from .api import log
+    llm = _load(args, quiet=args.quiet)
+    if args.preset:  # random weights and no tokenizer: feed token ids
+        prompt_ids = [1 + i for i in range(5)]
+        run = lambda: llm.stream_ids(prompt_ids, args.max_new_tokens, stop_ids=(), seed=args.seed,  # noqa: E731
+                                     **_sampling(args))
+        show = lambda piece: None  # noqa: E731
+    else:
+        tok = llm._tok()
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt_ids = tok.encode(prompt, add_bos=False if args.chat else None)
+        run = lambda: llm._stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
+                                              seed=args.seed, **_sampling(args))
+        show = lambda piece: print(piece, end="", flush=True)  # noqa: E731
+    if args.compile:
+        t0 = time.perf_counter()
+        log("Compiling the decode step (first run; later starts use the compiler cache)...", args.quiet)
+        for _ in run():
+            pass
+        log(f"Compiled in {time.perf_counter() - t0:.1f} s", args.quiet)
+    device = llm.generator.device
+    rates = []
+    for i in range(args.num_samples):
+        llm.generator.reset()
+        profiling = args.profile and i == args.num_samples - 1
+        prof = (torch.profiler.profile(record_shapes=False) if profiling
+                else contextlib.nullcontext())
+        with prof:
+            if not args.preset and not args.quiet:
+                print(args.prompt if not args.chat else "", end="", flush=True)
+            for piece in run():
+                show(piece)
+        if not args.quiet and not args.preset:
+            print()
+        s = llm.stats
+        rates.append(s.decode_tokens_per_s)
+        log(f"Sample {i + 1}: {s.new_tokens} tokens, time to first token {s.prefill_s * 1e3:.1f} ms "
+            f"({s.prompt_tokens} prompt tokens), decode {s.decode_tokens_per_s:.2f} tokens/s, "
+            f"bandwidth achieved {s.bandwidth_gb_s:.2f} GB/s", args.quiet)
+        if profiling:
+            prof.export_chrome_trace(args.profile)
+            log(f"Profile written to {args.profile}", args.quiet)
+    mean = sum(rates) / len(rates)
+    log(f"Average decode: {mean:.2f} tokens/s over {len(rates)} sample(s); model weights "
+        f"{llm.stats.weight_bytes / 1e9:.3f} GB read per token; bandwidth achieved "
+        f"{llm.stats.weight_bytes * mean / 1e9:.2f} GB/s; peak memory "
+        f"{_peak_memory_gb(device):.2f} GB", args.quiet)
+
+
+def cmd_chat(args):
+    llm = _load(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    start = list(messages)
+    print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for piece in llm.chat_stream(messages, args.max_new_tokens, stop=args.stop,
+                                     seed=args.seed, **_sampling(args)):
+            reply.append(piece)
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        s = llm.stats
+        print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s, "
+              f"{s.reused_tokens}/{s.prompt_tokens} prompt tokens from the cache]", file=sys.stderr)
+
+
+def cmd_convert(args):
+    from .api import log, parse_dtype
+    from .checkpoints import load
+    from .checkpoints.native import save_native
+    log(f"Reading {args.checkpoint_path or 'the bundled default model'}...")
+    ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype))
+    log(f"Writing {args.output}...")
+    save_native(args.output, ckpt.args, ckpt.state_dict, ckpt.tokenizer)
+    log(f"Done: {args.output}")
+
+
+def cmd_download(args):
+    from .checkpoints.hub import default_model_path, download
+    path = download(args.repo_id, args.revision) if args.repo_id else default_model_path()
+    print(path)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,
+            "download": cmd_download}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except BriskError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

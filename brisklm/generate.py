@@ -1,0 +1,158 @@
+"""Prefill, one-token decode step and the decode loop.
+
+The shape follows gpt-fast: `prefill` and `decode_one_token` are small
+functions compiled on their own (the decode step as one CUDA graph with
+mode="reduce-overhead"), positions are tensors and the KV cache is static, so
+a step has fixed shapes. The loop never blocks the device on the host: the
+token of step i is copied to the host while step i+1 is already queued, and
+EOS is checked on that copy, so the GPU never waits for Python.
+
+`Generator` also remembers which tokens its KV cache holds: a new prompt that
+extends the previous conversation only prefills the new part (multi-turn chat
+reuses the cache instead of re-reading the history).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .model import Transformer
+from .sampling import SamplingParams, sample
+
+
+def prefill(model: Transformer, idx, input_pos, params: SamplingParams, kv_len=None):
+    """idx: (1, T) prompt ids at positions input_pos (T,) -> next token (1,)."""
+    logits = model(idx, input_pos, last_only=True, kv_len=kv_len)  # (1, 1, V)
+    return sample(logits[:, -1], params)
+
+
+def decode_one_token(model: Transformer, token, input_pos, params: SamplingParams, kv_len=None):
+    """token: (1,) at position input_pos (1,) -> next token (1,)."""
+    logits = model(token.view(1, 1), input_pos, kv_len=kv_len)  # (1, 1, V)
+    return sample(logits[:, -1], params)
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every matrix once, one embedding row."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name == "tok_embeddings.weight" and not model.args.tie_word_embeddings:
+            total += p[0].numel() * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    for name, b in model.named_buffers():  # quantized weights live in buffers
+        if "kv_cache" not in name and not name.startswith("rope_"):
+            total += b.numel() * b.element_size()
+    return total
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0  # time to first token
+    decode_s: float = 0.0
+    reused_tokens: int = 0  # prompt tokens whose KV came from the cache
+    weight_bytes: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # The first token comes from prefill; decode made the rest.
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+
+    @property
+    def bandwidth_gb_s(self) -> float:
+        return self.weight_bytes * self.decode_tokens_per_s / 1e9
+
+
+class Generator:
+    """Owns a model with its KV cache, and the compiled (or eager) step functions."""
+
+    def __init__(self, model: Transformer, max_seq_length: int, compile: bool = False,
+                 compile_prefill: bool = False):
+        self.model = model
+        self.device = model.tok_embeddings.weight.device
+        self.max_seq_length = max_seq_length
+        model.setup_caches(1, max_seq_length)
+        self.cached: list[int] = []  # tokens whose keys/values are in the cache
+        self.compiled = compile
+        self._decode = decode_one_token
+        self._prefill = prefill
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._decode = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+        if compile_prefill:
+            self._prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+        self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
+
+    def reset(self):
+        self.cached = []
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+               stop_ids=(), seed: int | None = None) -> Iterator[int]:
+        """Yield up to max_new_tokens sampled ids; stops after yielding a stop id."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + max_new_tokens > self.max_seq_length:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens="
+                             f"{max_new_tokens} exceeds the context of {self.max_seq_length} tokens")
+        if seed is not None:
+            torch.manual_seed(seed)
+        # Reuse the cached prefix; keep at least one prompt token to prefill.
+        start = 0
+        limit = min(len(self.cached), len(prompt_ids) - 1)
+        while start < limit and self.cached[start] == prompt_ids[start]:
+            start += 1
+        self.cached = list(prompt_ids[:start])
+        stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=start,
+                                             weight_bytes=self.stats.weight_bytes)
+        stop = set(stop_ids)
+        eager = not self.compiled
+        t0 = time.perf_counter()
+        new = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, len(prompt_ids), device=self.device)
+        token = self._prefill(self.model, new, pos, params, kv_len=len(prompt_ids))
+        self.cached.extend(prompt_ids[start:])
+        pos_host = len(prompt_ids)
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        for i in range(max_new_tokens):
+            host = token.to("cpu", non_blocking=True)
+            if ready is not None:
+                ready.record()
+            more = i + 1 < max_new_tokens
+            if more:  # queue the next step before looking at this token
+                if self.compiled and self.device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                step_pos = torch.tensor([pos_host], device=self.device)
+                nxt = self._decode(self.model, token, step_pos, params,
+                                   kv_len=pos_host + 1 if eager else None)
+                nxt = nxt.clone()  # CUDA graph outputs are overwritten by the next replay
+            if ready is not None:
+                ready.synchronize()
+            value = int(host.item())
+            if i == 0:
+                stats.prefill_s = time.perf_counter() - t0
+                t_decode = time.perf_counter()
+            stats.new_tokens = i + 1
+            stats.decode_s = time.perf_counter() - t_decode
+            if more:
+                self.cached.append(value)
+                pos_host += 1
+            yield value
+            if value in stop or not more:
+                break
+            token = nxt
+        self._sync()
+        if stats.new_tokens > 1:
+            stats.decode_s = time.perf_counter() - t_decode

@@ -1,0 +1,293 @@
+"""The decoder: a Llama-family transformer with a static KV cache.
+
+One model covers Llama 1/2/3.x, Mistral, SmolLM2 and Qwen2 (attention bias):
+token embedding -> N x [RMSNorm, grouped-query attention with RoPE, RMSNorm,
+SwiGLU MLP] -> RMSNorm -> output projection. References: the LLaMA papers
+(Touvron et al. 2023), RoFormer (Su et al. 2021) for rotary embeddings,
+GQA (Ainslie et al. 2023), and Hugging Face transformers' modeling_llama.py,
+whose fp32 logits the tests match.
+
+Weights use one canonical naming (see `canonical_names`); every checkpoint
+reader maps its format onto it. q/k/v are one matrix (`wqkv`) and gate/up are
+one matrix (`w13`): at batch size 1 every Linear is a GEMV that reads its
+weight once, and one launch over a fused weight beats three small ones.
+
+ModelArgs' field names mirror Hugging Face config.json so that a hub folder's
+config loads with no translation table.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    # Mixture of experts (Mixtral) is a block choice; 0 means a dense MLP.
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.num_local_experts:
+            raise ValueError("mixture-of-experts models are not supported yet")
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        """Build from a Hugging Face config.json dict (unknown keys ignored)."""
+        config = dict(config)
+        # transformers >= 5 nests rope_theta and the scaling in rope_parameters.
+        rope = config.pop("rope_parameters", None) or {}
+        if "rope_theta" in rope and "rope_theta" not in config:
+            config["rope_theta"] = rope["rope_theta"]
+        if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+            config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        scaling = config.get("rope_scaling")
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+            config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names and v is not None})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), fp32, with the model's scaling applied."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band
+        # between interpolated smoothly (Llama 3.1's context extension).
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}")
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalize in fp32 as the reference does, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, H, T, D); cos/sin: (T, D/2). Half-split rotation ("rotate_half")."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values, (B, n_kv_heads, max_seq_length, head_dim) each."""
+
+    def __init__(self, batch, n_kv_heads, max_seq_length, head_dim, dtype, device):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_seq_length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos, k, v):
+        # index_copy_ with a tensor of positions keeps shapes static for CUDA graphs.
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            args.num_attention_heads, args.num_key_value_heads, args.head_dim)
+        qkv_dim = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        self.wqkv = nn.Linear(args.hidden_size, qkv_dim, bias=args.attention_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        B, T, _ = x.shape
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
+        k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(x W1) * x W3), with W1 (gate) and W3 (up) stacked in w13."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.max_seq_length = 0
+
+    def tie_weights(self):
+        if self.args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        """Allocate the KV cache and the RoPE tables for up to max_seq_length positions."""
+        weight = self.tok_embeddings.weight
+        dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
+        device = weight.device
+        a = self.args
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
+                                               max_seq_length, a.head_dim, dtype, device)
+        t = torch.arange(max_seq_length, dtype=torch.float32)
+        angles = torch.outer(t, rope_frequencies(a))  # (S, D/2)
+        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
+        self.max_seq_length = max_seq_length
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
+                kv_len: int | None = None):
+        """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
+        or (B, 1, V) for the last position only when last_only is set (prefill).
+
+        kv_len, when the caller knows it on the host (eager decoding), limits
+        attention to the first kv_len cache slots; compiled steps leave it None
+        and attend over the whole static cache, masked."""
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        # Causal mask: the query at position p sees keys 0..p.
+        keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
+        mask = keys[None, :] <= input_pos[:, None]  # (T, S)
+        x = self.tok_embeddings(idx)  # (B, T, C)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, input_pos)
+        if last_only:
+            x = x[:, -1:]
+        return self.output(self.norm(x)).float()
+
+
+def canonical_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every weight a checkpoint must provide, with its shape."""
+    a = args
+    qkv = (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+    names = {"tok_embeddings.weight": (a.vocab_size, a.hidden_size), "norm.weight": (a.hidden_size,)}
+    if not a.tie_word_embeddings:
+        names["output.weight"] = (a.vocab_size, a.hidden_size)
+    for i in range(a.num_hidden_layers):
+        p = f"layers.{i}."
+        names[p + "attention_norm.weight"] = (a.hidden_size,)
+        names[p + "attention.wqkv.weight"] = (qkv, a.hidden_size)
+        if a.attention_bias:
+            names[p + "attention.wqkv.bias"] = (qkv,)
+        names[p + "attention.wo.weight"] = (a.hidden_size, a.num_attention_heads * a.head_dim)
+        names[p + "ffn_norm.weight"] = (a.hidden_size,)
+        names[p + "feed_forward.w13.weight"] = (2 * a.intermediate_size, a.hidden_size)
+        names[p + "feed_forward.w2.weight"] = (a.hidden_size, a.intermediate_size)
+    return names
+
+
+def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transformer:
+    """Make a Transformer whose parameters are the given tensors (no copy).
+
+    The module is created on the meta device and the tensors assigned, so the
+    weights exist once, wherever the reader put them."""
+    expected = canonical_names(args)
+    missing = [n for n in expected if n not in state_dict]
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+    for name, shape in expected.items():
+        if tuple(state_dict[name].shape) != shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
+                             f"expected {shape}")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict({n: state_dict[n] for n in expected}, strict=False, assign=True)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def random_state_dict(args: ModelArgs, dtype=torch.bfloat16, device="cpu", seed=0, std=0.02):
+    """Random weights in the model's real shapes: normal(0, std) matrices, norms at 1.
+
+    For benchmarks where no checkpoint is at hand (never zeros: a GEMV over
+    zeros can run faster than one over real data)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, shape in canonical_names(args).items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            state[name] = t.normal_(0.0, std, generator=gen)
+    return state

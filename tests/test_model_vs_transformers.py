@@ -1,0 +1,81 @@
+"""fp32 logits of our model equal Hugging Face transformers' on the same weights.
+
+Tiny random configurations are built with transformers at test time and saved
+as Hugging Face folders; we load them through our own reader. Tolerance: max
+abs difference <= 1e-4 on logits of order 1.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from brisklm.checkpoints import load  # noqa: E402
+from brisklm.model import build_model  # noqa: E402
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+            rms_norm_eps=1e-5)
+
+CASES = {
+    "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM",
+                       dict(BASE, tie_word_embeddings=True, rope_theta=10000.0)),
+    "llama-gqa-llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
+                              dict(BASE, num_key_value_heads=2, rope_theta=500000.0,
+                                   rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False)),
+    "llama-linear-rope-headdim": ("LlamaConfig", "LlamaForCausalLM",
+                                  dict(BASE, num_key_value_heads=1, head_dim=32,
+                                       rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral-gqa": ("MistralConfig", "MistralForCausalLM",
+                    dict(BASE, num_key_value_heads=2, rope_theta=1e6, sliding_window=None)),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(BASE, num_key_value_heads=2, tie_word_embeddings=False)),
+}
+
+
+def make_folder(tmp_path, case):
+    config_cls, model_cls, kwargs = CASES[case]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**kwargs)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # random norms and biases too, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(tmp_path, case):
+    ref = make_folder(tmp_path, case)
+    ckpt = load(str(tmp_path), dtype=torch.float32)
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 64)
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        # Prefill the first 16 tokens, then decode the rest one at a time.
+        got = [ours(ids[:, :16], torch.arange(16))]
+        for t in range(16, 24):
+            got.append(ours(ids[:, t:t + 1], torch.tensor([t])))
+    got = torch.cat(got, dim=1)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_decode_with_exact_kv_len_matches_full_cache(tmp_path):
+    make_folder(tmp_path, "llama-gqa-llama3-rope")
+    ckpt = load(str(tmp_path), dtype=torch.float32)
+    model = build_model(ckpt.args, ckpt.state_dict)
+    model.setup_caches(1, 64)
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids[:, :9], torch.arange(9))
+        full = model(ids[:, 9:], torch.tensor([9]))
+        sliced = model(ids[:, 9:], torch.tensor([9]), kv_len=10)
+    assert torch.allclose(full, sliced, atol=1e-5)
