@@ -13,3 +13,10 @@ def smollm2_gguf():
         return path
     from brisklm.checkpoints.hub import default_model_path
     return default_model_path(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smol_llm(smollm2_gguf):
+    """The real SmolLM2 model, fp32 on the CPU, loaded once per test session."""
+    import brisklm
+    return brisklm.load(smollm2_gguf, device="cpu", dtype="float32", max_seq_length=1024)

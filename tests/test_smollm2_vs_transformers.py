@@ -13,7 +13,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import brisklm  # noqa: E402
 
 LONG = ("The history of computing is a story of abstraction. Early machines were programmed "
         "by rewiring panels; stored-program computers made software a thing one could write, "
@@ -46,12 +45,11 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def models(smollm2_gguf):
+def models(smollm2_gguf, smol_llm):
     folder, name = os.path.split(smollm2_gguf)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                             dtype=torch.float32).eval()
-    ours = brisklm.load(smollm2_gguf, device="cpu", dtype="float32", max_seq_length=512)
-    return ref, ours
+    return ref, smol_llm
 
 
 def _prompt_ids(llm, case):

@@ -59,6 +59,11 @@ def metadata(reader) -> dict:
     return out
 
 
+def _f32(value) -> float:
+    """The shortest decimal that a float32 field stands for (1e-5, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
 def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -79,8 +84,8 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         num_hidden_layers=get("block_count"), num_attention_heads=n_heads,
         num_key_value_heads=get("attention.head_count_kv", n_heads),
         head_dim=get("attention.key_length", hidden // n_heads),
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
-        rope_theta=get("rope.freq_base", 10000.0),
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(get("rope.freq_base", 10000.0)),
         max_position_embeddings=get("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=ARCHITECTURES[arch]["attention_bias"])

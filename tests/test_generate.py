@@ -1,0 +1,125 @@
+"""Generation: the cached decode loop equals recomputing from scratch; stops, streaming, chat."""
+import pytest
+import torch
+
+from brisklm.generate import Generator, weight_bytes_per_token
+from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.sampling import SamplingParams
+
+TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+GREEDY = SamplingParams()
+
+
+def tiny_model(seed=0, args=TINY):
+    return build_model(args, random_state_dict(args, torch.float32, seed=seed, std=0.3))
+
+
+def reference_greedy(model, ids, n):
+    """Greedy decoding by re-running the whole sequence at every step."""
+    ids = list(ids)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            model.setup_caches(1, 64)
+            logits = model(torch.tensor([ids]), torch.arange(len(ids)))
+            out.append(int(logits[0, -1].argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def test_cached_decoding_equals_recomputation():
+    model = tiny_model()
+    expected = reference_greedy(model, [1, 2, 3], 20)
+    got = list(Generator(model, 64).tokens([1, 2, 3], 20, GREEDY))
+    assert got == expected
+
+
+def test_generation_stops_after_a_stop_token():
+    model = tiny_model()
+    free = list(Generator(model, 64).tokens([1, 2, 3], 20, GREEDY))
+    stop = free[5]
+    got = list(Generator(model, 64).tokens([1, 2, 3], 20, GREEDY, stop_ids=[stop]))
+    assert got == free[:free.index(stop) + 1]
+
+
+def test_a_prompt_extending_the_cache_prefills_only_the_new_part():
+    model = tiny_model()
+    gen = Generator(model, 64)
+    first = list(gen.tokens([5, 6, 7], 6, GREEDY))
+    follow = [5, 6, 7] + first + [9, 10]
+    reused = list(gen.tokens(follow, 8, GREEDY))
+    assert gen.stats.reused_tokens == 3 + len(first) - 1  # the last sampled token was never fed
+    gen.reset()
+    fresh = list(gen.tokens(follow, 8, GREEDY))
+    assert gen.stats.reused_tokens == 0
+    assert reused == fresh
+
+
+def test_a_diverging_prompt_reuses_only_the_common_prefix():
+    model = tiny_model()
+    gen = Generator(model, 64)
+    list(gen.tokens([5, 6, 7, 8], 4, GREEDY))
+    got = list(gen.tokens([5, 6, 9], 6, GREEDY))
+    assert gen.stats.reused_tokens == 2
+    assert got == reference_greedy(model, [5, 6, 9], 6)
+
+
+def test_prompt_plus_new_tokens_must_fit_the_context():
+    gen = Generator(tiny_model(), 16)
+    with pytest.raises(ValueError, match="context of 16"):
+        list(gen.tokens(list(range(10)), 10, GREEDY))
+
+
+def test_seeded_sampling_is_reproducible():
+    model = tiny_model()
+    params = SamplingParams(temperature=1.0, top_k=20)
+    a = list(Generator(model, 64).tokens([1, 2], 15, params, seed=7))
+    b = list(Generator(model, 64).tokens([1, 2], 15, params, seed=7))
+    assert a == b
+
+
+def test_weight_bytes_count_one_embedding_row_unless_tied():
+    untied = tiny_model()
+    matrices = sum(p.numel() for n, p in untied.named_parameters() if n != "tok_embeddings.weight")
+    assert weight_bytes_per_token(untied) == (matrices + TINY.hidden_size) * 4
+    tied_args = ModelArgs(**{**TINY.to_dict(), "tie_word_embeddings": True})
+    tied = tiny_model(args=tied_args)
+    assert weight_bytes_per_token(tied) == sum(p.numel() for p in tied.parameters()) * 4
+
+
+def test_compiled_decode_step_equals_eager():
+    model = tiny_model()
+    eager = list(Generator(model, 64).tokens([1, 2, 3], 12, GREEDY))
+    compiled = list(Generator(model, 64, compile=True).tokens([1, 2, 3], 12, GREEDY))
+    assert compiled == eager
+
+
+# --- text level, on the real SmolLM2 -------------------------------------------
+
+def test_default_model_knows_the_capital_of_france(smol_llm):
+    assert "Paris" in smol_llm.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+
+def test_stream_pieces_join_to_generate(smol_llm):
+    text = smol_llm.generate("Once upon a time", max_new_tokens=24, temperature=0)
+    pieces = list(smol_llm.stream("Once upon a time", max_new_tokens=24, temperature=0))
+    assert len(pieces) > 1 and "".join(pieces) == text
+
+
+def test_stop_string_ends_the_text_before_it(smol_llm):
+    full = smol_llm.generate("The capital of France is", max_new_tokens=24, temperature=0)
+    word = full.split()[1]
+    cut = smol_llm.generate("The capital of France is", max_new_tokens=24, temperature=0, stop=[word])
+    assert cut == full[:full.index(word)]
+
+
+def test_chat_stops_at_end_of_turn_and_reuses_the_cache(smol_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = smol_llm.chat(messages, max_new_tokens=64, temperature=0)
+    assert "Paris" in reply and "<|im_end|>" not in reply
+    assert smol_llm.stats.new_tokens < 64  # ended by <|im_end|>, not by the limit
+    messages += [{"role": "assistant", "content": reply},
+                 {"role": "user", "content": "And of Italy?"}]
+    second = smol_llm.chat(messages, max_new_tokens=32, temperature=0)
+    assert second and smol_llm.stats.reused_tokens > 20

@@ -1,0 +1,138 @@
+"""Our GGUF reader and our Hugging Face reader give identical tensors for the same weights.
+
+The GGUF file is written at test time with the `gguf` library, laid out as
+llama.cpp's converter lays out a Llama model (q/k rows permuted for
+interleaved RoPE, shapes reversed, GGUF tensor names).
+"""
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from brisklm.checkpoints import load  # noqa: E402
+from brisklm.model import build_model  # noqa: E402
+
+CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+def llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path, np_dtype=np.float32, tied=False):
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([chr(0x100 + i) for i in range(c.vocab_size)])
+    w.add_token_types([1] * c.vocab_size)
+    w.add_token_merges([])
+    w.add_eos_token_id(2)
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not tied:
+        names["lm_head.weight"] = "output.weight"
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    for hf, gg in names.items():
+        t = sd[hf]
+        if gg.endswith("attn_q.weight"):
+            t = llama_cpp_permute(t, c.num_attention_heads)
+        elif gg.endswith("attn_k.weight"):
+            t = llama_cpp_permute(t, c.num_key_value_heads)
+        w.add_tensor(gg, np.ascontiguousarray(t.astype(np.float32 if t.ndim == 1 else np_dtype)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(params=[False, True], ids=["untied", "tied"])
+def hf_model(request, tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**CONFIG, tie_word_embeddings=request.param)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "hf")
+    return model, request.param
+
+
+@pytest.mark.parametrize("np_dtype", [np.float32, np.float16], ids=["F32", "F16"])
+def test_gguf_and_hf_readers_give_identical_tensors(tmp_path, hf_model, np_dtype):
+    model, tied = hf_model
+    if np_dtype == np.float16:  # both sides hold the same fp16-rounded values
+        model.half().save_pretrained(tmp_path / "hf")
+    write_gguf(model, tmp_path / "m.gguf", np_dtype, tied)
+    from_hf = load(str(tmp_path / "hf"), dtype=torch.float32)
+    from_gguf = load(str(tmp_path / "m.gguf"), dtype=torch.float32)
+    assert from_gguf.args == from_hf.args
+    assert from_gguf.state_dict.keys() == from_hf.state_dict.keys()
+    for name, t in from_hf.state_dict.items():
+        assert torch.equal(from_gguf.state_dict[name], t), name
+
+
+def test_gguf_model_matches_transformers_logits(tmp_path, hf_model):
+    model, tied = hf_model
+    write_gguf(model, tmp_path / "m.gguf", tied=tied)
+    ckpt = load(str(tmp_path / "m.gguf"), dtype=torch.float32)
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 32)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(12)) - model(ids).logits).abs().max() <= 1e-4
+
+
+def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf_model):
+    """Q8_0 blocks read back as gguf.quants.dequantize gives them (no hand-written decoder)."""
+    model, tied = hf_model
+    write_gguf(model, tmp_path / "m.gguf", tied=tied)
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    # Re-write with the MLP down projections quantized to Q8_0 by the gguf library.
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, value, vtype, sub_type=sub)
+    expected = {}
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("ffn_down.weight"):
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            expected[t.name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ckpt = load(str(tmp_path / "q.gguf"), dtype=torch.float32)
+    for name, values in expected.items():
+        layer = name.split(".")[1]
+        got = ckpt.state_dict[f"layers.{layer}.feed_forward.w2.weight"]
+        assert torch.equal(got, torch.from_numpy(values))
