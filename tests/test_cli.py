@@ -1,0 +1,103 @@
+"""The `brisk` command end to end, in subprocesses, on the bundled SmolLM2."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from brisklm.checkpoints import load
+from brisklm.checkpoints.native import save_native
+from brisklm.model import build_model
+
+
+def brisk(*args, env=None, input=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "brisklm", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, input=input, timeout=timeout)
+
+
+def test_generate_with_the_default_model_says_paris(smollm2_gguf):
+    # The default model comes from the cache the fixture filled (or an explicit path).
+    done = brisk("generate", "--checkpoint_path", smollm2_gguf, "--prompt", "The capital of France is",
+                 "--max_new_tokens", "8", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("The capital of France is") and "Paris" in done.stdout
+    assert "tokens/s" in done.stderr and "bandwidth achieved" in done.stderr.lower()
+    assert "Loading" in done.stderr
+
+
+def test_generate_without_checkpoint_uses_the_cached_default_model(smollm2_gguf, tmp_path):
+    cache = os.path.dirname(smollm2_gguf)
+    if os.path.basename(smollm2_gguf) != "SmolLM2-135M-Instruct.Q4_1.gguf":
+        pytest.skip("default model not in a brisk cache folder")
+    done = brisk("generate", "--prompt", "The capital of France is", "--max_new_tokens", "8",
+                 "--temperature", "0", "--quiet", env={"BRISKLM_CACHE": cache})
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+
+
+def test_generate_chat_applies_the_template_and_stops_at_end_of_turn(smollm2_gguf):
+    done = brisk("generate", "--checkpoint_path", smollm2_gguf, "--chat", "--prompt",
+                 "What is the capital of France?", "--max_new_tokens", "60", "--temperature", "0",
+                 "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout and "<|im_end|>" not in done.stdout
+
+
+def test_chat_keeps_the_conversation(smollm2_gguf):
+    done = brisk("chat", "--checkpoint_path", smollm2_gguf, "--temperature", "0",
+                 "--max_new_tokens", "40", input="What is the capital of France?\nAnd of Italy?\n/exit\n")
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    stats = [line for line in done.stderr.splitlines() if "prompt tokens from the cache" in line]
+    assert len(stats) == 2 and not stats[1].startswith("[0/") and " 0/" not in stats[1]
+
+
+def test_generate_preset_runs_random_weights():
+    done = brisk("generate", "--preset", "smollm2-135m", "--max_new_tokens", "4", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert "Sample 1: 4 tokens" in done.stderr
+
+
+def test_convert_writes_a_native_checkpoint_that_reloads_identically(smollm2_gguf, tmp_path):
+    out = tmp_path / "native"
+    done = brisk("convert", "--checkpoint_path", smollm2_gguf, "--output", str(out), "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    original, native = load(smollm2_gguf), load(str(out))
+    assert native.args == original.args
+    for name, t in original.state_dict.items():
+        assert torch.equal(native.state_dict[name], t), name
+    text = "Hi<|im_end|> ½ ① 東京 code:\n\tx = 1"
+    assert native.tokenizer.encode(text) == original.tokenizer.encode(text)
+    assert native.tokenizer.eos_ids == original.tokenizer.eos_ids
+    assert native.tokenizer.chat_template == original.tokenizer.chat_template
+    assert native.tokenizer.add_bos == original.tokenizer.add_bos
+
+
+def test_native_round_trip_of_a_hf_folder_keeps_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    ckpt = load(str(tmp_path / "hf"))
+    save_native(str(tmp_path / "native"), ckpt.args, ckpt.state_dict, ckpt.tokenizer)
+    again = load(str(tmp_path / "native"))
+    a, b = build_model(ckpt.args, ckpt.state_dict), build_model(again.args, again.state_dict)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for m in (a, b):
+        m.setup_caches(1, 8)
+    with torch.no_grad():
+        assert torch.equal(a(ids, torch.arange(4)), b(ids, torch.arange(4)))
+
+
+def test_offline_download_of_the_default_model_fails_with_a_clear_message(tmp_path):
+    offline = {"BRISKLM_CACHE": str(tmp_path), "PIP_CONFIG_FILE": os.devnull,
+               "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
+               "PIP_TIMEOUT": "2", "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": ""}
+    done = brisk("download", env=offline, timeout=120)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot download the default model") and "offline" in last
+    assert "Traceback" not in done.stderr
+    assert os.listdir(tmp_path) == []  # nothing half-written is left behind
