@@ -28,9 +28,10 @@ def default_device() -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    # bf16 halves the bytes read per token on GPUs; on CPUs fp32 measured
-    # faster than bf16 here (no native bf16 GEMV on many CPUs) and is exact.
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    # bf16 halves the bytes read per token. On the 2-core development CPU it
+    # measured faster than fp32 too (SmolLM2: 31 vs 18 tokens/s eager, 38 vs 20
+    # compiled; benchmarks/RESULTS.md). Pass dtype="float32" for exactness.
+    return torch.bfloat16
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -58,6 +59,8 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        if max_seq_length is not None and max_seq_length < 1:
+            raise BriskError(f"max_seq_length must be >= 1, got {max_seq_length}")
         length = max_seq_length or min(model.args.max_position_embeddings, 4096)
         self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill)
 
@@ -73,13 +76,15 @@ class LLM:
     def stream_ids(self, prompt_ids: list[int], max_new_tokens: int = 256,
                    temperature: float = 0.0, top_k=None, top_p=None, min_p=None,
                    seed=None, stop_ids=None) -> Iterator[int]:
-        params = SamplingParams(temperature, top_k, top_p, min_p)
+        """Yield sampled token ids. Bad arguments raise here, before anything is generated."""
         if stop_ids is None:
             stop_ids = self.tokenizer.eos_ids if self.tokenizer else ()
         try:
-            yield from self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed)
+            params = SamplingParams(temperature, top_k, top_p, min_p)
+            self.generator.check(prompt_ids, max_new_tokens)
         except ValueError as e:
             raise BriskError(str(e)) from None
+        return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed)
 
     def stream(self, prompt: str, max_new_tokens: int = 256, stop: list[str] | str | None = None,
                **sampling) -> Iterator[str]:
@@ -87,34 +92,11 @@ class LLM:
 
         Stops at the tokenizer's end tokens and before any of the stop strings;
         the end token and the stop string are not part of the text."""
-        tok = self._tok()
-        return self._stream_ids_as_text(tok.encode(prompt), max_new_tokens, stop, **sampling)
+        return self.stream_ids_as_text(self._tok().encode(prompt), max_new_tokens, stop, **sampling)
 
-    def _stream_ids_as_text(self, ids, max_new_tokens, stop, **sampling):
-        tok = self._tok()
-        stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
-        # Text that could still become a stop string is held back until decided.
-        hold = max((len(s) for s in stops), default=1) - 1
-        decoder, pending = tok.stream(), ""
-        ends = set(tok.eos_ids)
-        for token in self.stream_ids(ids, max_new_tokens, **sampling):
-            if token in ends:
-                break
-            pending += decoder.push(token)
-            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                if pending[:cut]:
-                    yield pending[:cut]
-                return
-            if len(pending) > hold:
-                yield pending[:len(pending) - hold]
-                pending = pending[len(pending) - hold:]
-        pending += decoder.flush()
-        cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            pending = pending[:cut]
-        if pending:
-            yield pending
+    def stream_ids_as_text(self, ids, max_new_tokens, stop=None, **sampling) -> Iterator[str]:
+        tokens = self.stream_ids(ids, max_new_tokens, **sampling)
+        return _text_pieces(self._tok(), tokens, stop)
 
     def generate(self, prompt: str, max_new_tokens: int = 256, **kwargs) -> str:
         """The continuation of prompt (not including the prompt)."""
@@ -134,11 +116,40 @@ class LLM:
         prompt = self.apply_chat_template(messages)
         # The template already writes any BOS it wants.
         ids = self._tok().encode(prompt, add_bos=False)
-        return self._stream_ids_as_text(ids, max_new_tokens, kwargs.pop("stop", None), **kwargs)
+        return self.stream_ids_as_text(ids, max_new_tokens, kwargs.pop("stop", None), **kwargs)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> str:
         """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]."""
         return "".join(self.chat_stream(messages, max_new_tokens, **kwargs))
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+
+
+def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop) -> Iterator[str]:
+    """Token ids -> text pieces, ending at an end token or before a stop string."""
+    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    # Text that could still become a stop string is held back until decided.
+    hold = max((len(s) for s in stops), default=1) - 1
+    decoder, pending, ends = tok.stream(), "", set(tok.eos_ids)
+    for token in tokens:
+        if token in ends:
+            break
+        pending += decoder.push(token)
+        cut = _first_stop(pending, stops)
+        if cut >= 0:
+            if cut:
+                yield pending[:cut]
+            return
+        if len(pending) > hold:
+            yield pending[:len(pending) - hold]
+            pending = pending[len(pending) - hold:]
+    pending += decoder.flush()
+    cut = _first_stop(pending, stops)
+    pending = pending[:cut] if cut >= 0 else pending
+    if pending:
+        yield pending
 
 
 def load(path: str | None = None, *, device: str | None = None, dtype=None,
@@ -148,6 +159,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     or, with preset=NAME, a model of that shape with random weights."""
     from .checkpoints import load as load_checkpoint
     device = device or default_device()
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise BriskError(f"device {device!r} is not usable: {str(e).splitlines()[0]}") from None
     dtype = parse_dtype(dtype) or default_dtype(device)
     t0 = time.perf_counter()
     if preset is not None:

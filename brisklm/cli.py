@@ -102,7 +102,7 @@ def cmd_generate(args):
         if args.chat:
             prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
         prompt_ids = tok.encode(prompt, add_bos=False if args.chat else None)
-        run = lambda: llm._stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
+        run = lambda: llm.stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
                                               seed=args.seed, **_sampling(args))
         show = lambda piece: print(piece, end="", flush=True)  # noqa: E731
     if args.compile:

@@ -98,15 +98,25 @@ class Generator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def check(self, prompt_ids: list[int], max_new_tokens: int):
+        """Raise ValueError for a request this generator cannot serve."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) + max_new_tokens > self.max_seq_length:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens="
+                             f"{max_new_tokens} exceeds the context of {self.max_seq_length} tokens")
+        vocab = self.model.args.vocab_size
+        bad = next((i for i in prompt_ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
     @torch.no_grad()
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                stop_ids=(), seed: int | None = None) -> Iterator[int]:
         """Yield up to max_new_tokens sampled ids; stops after yielding a stop id."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) + max_new_tokens > self.max_seq_length:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens="
-                             f"{max_new_tokens} exceeds the context of {self.max_seq_length} tokens")
+        self.check(prompt_ids, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
         # Reuse the cached prefix; keep at least one prompt token to prefill.

@@ -45,6 +45,12 @@ class ModelArgs:
     num_experts_per_tok: int = 2
 
     def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = {"int": int, "float": (int, float), "bool": bool}.get(f.type.split(" ")[0])
+            if kind and value is not None and (not isinstance(value, kind) or
+                                               (kind is int and isinstance(value, bool))):
+                raise ValueError(f"{f.name} must be {f.type.split(' ')[0]}, got {value!r}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:

@@ -72,18 +72,20 @@ HF_FUSED = {
 }
 
 
-def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str):
+def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
+                           file_name=lambda name: name):
     """Canonical state dict from a getter of Hugging Face-named tensors.
 
     Tensors are converted one at a time, so peak memory is the result plus one
-    layer's worth, never a second full copy."""
+    layer's worth, never a second full copy. file_name maps a Hugging Face name
+    to the name the file uses, for error messages."""
 
     def fetch(name, shape=None):
         if not has(name):
-            raise BriskError(f"{where}: missing tensor {name!r}")
+            raise BriskError(f"{where}: missing tensor {file_name(name)!r}")
         t = get(name)
         if shape is not None and tuple(t.shape) != shape:
-            raise BriskError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, "
+            raise BriskError(f"{where}: tensor {file_name(name)!r} has shape {tuple(t.shape)}, "
                              f"expected {shape}")
         return t.to(device=device, dtype=dtype)
 

@@ -79,6 +79,9 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
     n_heads = get("attention.head_count")
     hidden = get("embedding_length")
     vocab = get("vocab_size", required=False) or len(meta.get("tokenizer.ggml.tokens", []))
+    if not vocab:
+        raise BriskError(f"{path}: missing metadata field {arch + '.vocab_size'!r} "
+                         f"(and no tokenizer.ggml.tokens)")
     args = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length"),
         num_hidden_layers=get("block_count"), num_attention_heads=n_heads,
@@ -168,5 +171,14 @@ def load_gguf(path: str, device, dtype) -> Checkpoint:
                 w = unpermute_qk(w, args.num_key_value_heads)
         return w
 
-    state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path)
+    gguf_names = {v: k for k, v in GGUF_GLOBAL.items()}
+    gguf_names.update({v: k for k, v in GGUF_LAYER.items()})
+
+    def file_name(hf_name):
+        if hf_name.startswith("model.layers."):
+            _, _, i, local = hf_name.split(".", 3)
+            return f"blk.{i}.{gguf_names[local]}"
+        return gguf_names[hf_name]
+
+    state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name)
     return Checkpoint(args, state, load_tokenizer(meta, path), path)

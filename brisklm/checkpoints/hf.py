@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 from ..errors import BriskError
 from ..model import ModelArgs
@@ -26,9 +27,11 @@ def read_config(folder: str) -> ModelArgs:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise BriskError(f"{path}: cannot read config: {e}") from None
+    if not isinstance(config, dict):
+        raise BriskError(f"{path}: cannot read config: expected a JSON object")
     arch = (config.get("architectures") or [None])[0]
     model_type = config.get("model_type")
-    if arch not in SUPPORTED and model_type not in SUPPORTED.values():
+    if (arch not in SUPPORTED) if arch else (model_type not in SUPPORTED.values()):
         raise BriskError(f"{path}: unsupported architecture {arch or model_type!r} "
                          f"(supported: {', '.join(SUPPORTED)})")
     if model_type == "qwen2" or arch == "Qwen2ForCausalLM":
@@ -71,7 +74,11 @@ class _TensorFiles:
                     import torch
                     self.handles[fname] = torch.load(path, map_location="cpu", mmap=True,
                                                      weights_only=True)
-            except Exception as e:  # corrupt header, truncated file, refused pickle
+            except pickle.UnpicklingError:
+                raise BriskError(f"{path}: refused: it holds pickled objects other than tensors "
+                                 f"(.bin files are read with weights_only=True; convert it to "
+                                 f"safetensors)") from None
+            except Exception as e:  # corrupt header, truncated file
                 msg = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise BriskError(f"{path}: corrupt or truncated weights file ({msg})") from None
         return self.handles[fname]
