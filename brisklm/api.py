@@ -46,6 +46,13 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def _progress_bar(done: int, total: int):
+    """A one-line tensor counter on a terminal; silent when stderr is a file."""
+    if sys.stderr.isatty():
+        end = "\n" if done == total else ""
+        print(f"\r  tensors {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
 def log(message: str, quiet: bool = False):
     if not quiet:
         print(message, file=sys.stderr, flush=True)
@@ -175,7 +182,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         state, tokenizer, name = random_state_dict(args, dtype, device), None, preset
     else:
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype})...", quiet)
-        ckpt = load_checkpoint(path, device=device, dtype=dtype)
+        ckpt = load_checkpoint(path, device=device, dtype=dtype,
+                               progress=None if quiet else _progress_bar)
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)

@@ -25,8 +25,10 @@ class Checkpoint:
     path: str
 
 
-def load(path: str | None = None, device="cpu", dtype=torch.float32) -> Checkpoint:
-    """Read a checkpoint, placing each tensor on device in dtype as it is read."""
+def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=None) -> Checkpoint:
+    """Read a checkpoint, placing each tensor on device in dtype as it is read.
+
+    progress, if given, is called as progress(done, total) while tensors load."""
     if path is None:
         from .hub import default_model_path
         path = default_model_path()
@@ -36,10 +38,10 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32) -> Checkpoi
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "brisk.json")):
             from .native import load_native
-            return load_native(path, device, dtype)
+            return load_native(path, device, dtype, progress)
         if os.path.exists(os.path.join(path, "config.json")):
             from .hf import load_hf_folder
-            return load_hf_folder(path, device, dtype)
+            return load_hf_folder(path, device, dtype, progress)
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
             path = os.path.join(path, ggufs[0])
@@ -50,7 +52,7 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32) -> Checkpoi
         magic = f.read(4)
     if magic == b"GGUF":
         from .gguf import load_gguf
-        return load_gguf(path, device, dtype)
+        return load_gguf(path, device, dtype, progress)
     raise BriskError(f"{path}: unrecognised checkpoint format (expected a GGUF file or a "
                      f"Hugging Face / brisk-lm folder)")
 
@@ -72,8 +74,19 @@ HF_FUSED = {
 }
 
 
+def tracked(items, progress):
+    """Iterate items, reporting progress(done, total) along the way."""
+    items = list(items)
+    for i, item in enumerate(items):
+        if progress:
+            progress(i, len(items))
+        yield item
+    if progress:
+        progress(len(items), len(items))
+
+
 def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
-                           file_name=lambda name: name):
+                           file_name=lambda name: name, progress=None):
     """Canonical state dict from a getter of Hugging Face-named tensors.
 
     Tensors are converted one at a time, so peak memory is the result plus one
@@ -96,7 +109,7 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
     part_rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
                  "mlp.gate_proj": a.intermediate_size, "mlp.up_proj": a.intermediate_size}
     state = {}
-    for name, shape in shapes.items():
+    for name, shape in tracked(shapes.items(), progress):
         if name == "tok_embeddings.weight":
             state[name] = fetch("model.embed_tokens.weight", shape)
         elif name == "norm.weight":

@@ -156,7 +156,7 @@ def load_tokenizer(meta: dict, path: str) -> Tokenizer:
                      meta.get("tokenizer.chat_template"))
 
 
-def load_gguf(path: str, device, dtype) -> Checkpoint:
+def load_gguf(path: str, device, dtype, progress=None) -> Checkpoint:
     from gguf.quants import dequantize
     reader = open_reader(path)
     meta = metadata(reader)
@@ -197,5 +197,6 @@ def load_gguf(path: str, device, dtype) -> Checkpoint:
             return f"blk.{i}.{gguf_names[local]}"
         return gguf_names[hf_name]
 
-    state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name)
+    state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
+                                   progress)
     return Checkpoint(args, state, load_tokenizer(meta, path), path)

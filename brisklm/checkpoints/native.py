@@ -17,7 +17,7 @@ import torch
 from ..errors import BriskError
 from ..model import ModelArgs, canonical_names
 from ..tokenizer import Tokenizer
-from . import Checkpoint
+from . import Checkpoint, tracked
 
 FORMAT_VERSION = 1
 
@@ -33,7 +33,7 @@ def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Token
         json.dump(info, f, indent=1)
 
 
-def load_native(folder: str, device, dtype) -> Checkpoint:
+def load_native(folder: str, device, dtype, progress=None) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
     meta_path = os.path.join(folder, "brisk.json")
     try:
@@ -49,7 +49,7 @@ def load_native(folder: str, device, dtype) -> Checkpoint:
     try:
         with safe_open(weights, framework="pt", device=str(device)) as f:
             keys = set(f.keys())
-            for name, shape in canonical_names(args).items():
+            for name, shape in tracked(canonical_names(args).items(), progress):
                 if name not in keys:
                     raise BriskError(f"{weights}: missing tensor {name!r}")
                 t = f.get_tensor(name)
