@@ -62,14 +62,15 @@ class LLM:
     """A loaded model with its tokenizer and generator."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, *, max_seq_length=None,
-                 compile=False, compile_prefill=False, name="model"):
+                 compile=False, compile_prefill=False, compile_options=None, name="model"):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         if max_seq_length is not None and max_seq_length < 1:
             raise BriskError(f"max_seq_length must be >= 1, got {max_seq_length}")
         length = max_seq_length or min(model.args.max_position_embeddings, 4096)
-        self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill)
+        self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill,
+                                   compile_options=compile_options)
 
     @property
     def stats(self):
@@ -161,7 +162,7 @@ def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop) -> Iterator[str]:
 
 def load(path: str | None = None, *, device: str | None = None, dtype=None,
          compile: bool = False, compile_prefill: bool = False, max_seq_length: int | None = None,
-         preset: str | None = None, quiet: bool = True) -> LLM:
+         preset: str | None = None, quiet: bool = True, compile_options: dict | None = None) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights."""
     from .checkpoints import load as load_checkpoint
@@ -188,4 +189,4 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
-               compile_prefill=compile_prefill, name=name)
+               compile_prefill=compile_prefill, compile_options=compile_options, name=name)

@@ -1,4 +1,4 @@
-"""`brisk`: generate, chat, convert and download from the command line.
+"""`brisk`: generate, chat, convert, bench and download from the command line.
 
 User errors (bad paths, corrupt files, bad values) print one line
 `error: ...` and exit with status 2; they never show a traceback.
@@ -24,6 +24,8 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
     p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: min(context, 4096))")
+    p.add_argument("--compile_options", type=_json_dict, default=None,
+                   help='inductor options as JSON, e.g. \'{"coordinate_descent_tuning": true}\'')
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
@@ -59,10 +61,39 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--output", required=True)
     v.add_argument("--dtype", default="bfloat16")
 
+    b = sub.add_parser("bench", help="decode speed against the device's measured ceilings")
+    _model_flags(b)
+    b.add_argument("--prompt_tokens", type=int, default=5)
+    b.add_argument("--new_tokens", type=int, default=200)
+    b.add_argument("--samples", type=int, default=5)
+    b.add_argument("--prefill", type=_int_list, default=[1024, 8192],
+                   help="prompt lengths for prefill figures, comma-separated")
+    b.add_argument("--context", type=_int_list, default=[8192, 32768],
+                   help="cached lengths for long-context decode figures, comma-separated")
+    b.add_argument("--startup", action="store_true", help="also time cold and warm compile")
+    b.add_argument("--peer", choices=["hf"], default=None)
+    b.add_argument("--json", default=None)
+    b.add_argument("--markdown", default=None)
+
     d = sub.add_parser("download", help="fetch a Hugging Face repo (or, with no id, the default model)")
     d.add_argument("repo_id", nargs="?", default=None)
     d.add_argument("--revision", default=None)
     return parser
+
+
+def _json_dict(text: str) -> dict:
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _load(args, quiet=False):
@@ -71,7 +102,7 @@ def _load(args, quiet=False):
         raise BriskError("give either --checkpoint_path or --preset, not both")
     return load(args.checkpoint_path, device=args.device, dtype=args.dtype, compile=args.compile,
                 compile_prefill=args.compile_prefill, max_seq_length=args.max_seq_length,
-                preset=args.preset, quiet=quiet)
+                preset=args.preset, quiet=quiet, compile_options=args.compile_options)
 
 
 def _sampling(args) -> dict:
@@ -188,8 +219,15 @@ def cmd_download(args):
     print(path)
 
 
+def cmd_bench(args):
+    from .bench import main
+    if args.checkpoint_path and args.preset:
+        raise BriskError("give either --checkpoint_path or --preset, not both")
+    main(args)
+
+
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,
-            "download": cmd_download}
+            "download": cmd_download, "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

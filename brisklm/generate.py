@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .model import Transformer
+from .model import Transformer, causal_block_mask, decode_block_mask
 from .sampling import SamplingParams, sample
 
 
@@ -29,9 +29,15 @@ def prefill(model: Transformer, idx, input_pos, params: SamplingParams, kv_len=N
     return sample(logits[:, -1], params)
 
 
-def decode_one_token(model: Transformer, token, input_pos, params: SamplingParams, kv_len=None):
-    """token: (1,) at position input_pos (1,) -> next token (1,)."""
-    logits = model(token.view(1, 1), input_pos, kv_len=kv_len)  # (1, 1, V)
+def decode_one_token(model: Transformer, token, input_pos, params: SamplingParams, kv_len=None,
+                     block_mask=None):
+    """token: (1,) at position input_pos (1,) -> next token (1,).
+
+    Pass kv_len (eager) or the cache's causal block_mask (compiled) so that
+    attention reads only the filled part of the cache."""
+    if block_mask is not None:
+        block_mask = decode_block_mask(block_mask, input_pos)
+    logits = model(token.view(1, 1), input_pos, kv_len=kv_len, block_mask=block_mask)  # (1, 1, V)
     return sample(logits[:, -1], params)
 
 
@@ -75,7 +81,7 @@ class Generator:
     """Owns a model with its KV cache, and the compiled (or eager) step functions."""
 
     def __init__(self, model: Transformer, max_seq_length: int, compile: bool = False,
-                 compile_prefill: bool = False):
+                 compile_prefill: bool = False, compile_options: dict | None = None):
         self.model = model
         self.device = model.tok_embeddings.weight.device
         self.max_seq_length = max_seq_length
@@ -84,11 +90,16 @@ class Generator:
         self.compiled = compile
         self._decode = decode_one_token
         self._prefill = prefill
+        self.block_mask = None
         if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._decode = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+            self.block_mask = causal_block_mask(max_seq_length, self.device)
+            # Inductor options apply to this function only (no global flags); on
+            # CUDA the step becomes one CUDA graph ("triton.cudagraphs").
+            options = {"triton.cudagraphs": self.device.type == "cuda", **(compile_options or {})}
+            self._decode = torch.compile(decode_one_token, fullgraph=True, options=options)
         if compile_prefill:
-            self._prefill = torch.compile(prefill, fullgraph=True, dynamic=True)
+            self._prefill = torch.compile(prefill, fullgraph=True, dynamic=True,
+                                          options=compile_options)
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):
@@ -146,7 +157,8 @@ class Generator:
                     torch.compiler.cudagraph_mark_step_begin()
                 step_pos = torch.tensor([pos_host], device=self.device)
                 nxt = self._decode(self.model, token, step_pos, params,
-                                   kv_len=pos_host + 1 if eager else None)
+                                   kv_len=pos_host + 1 if eager else None,
+                                   block_mask=self.block_mask)
                 nxt = nxt.clone()  # CUDA graph outputs are overwritten by the next replay
             if ready is not None:
                 ready.synchronize()

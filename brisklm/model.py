@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 @dataclass
@@ -161,9 +162,12 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-        k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        gqa = self.n_heads != self.n_kv_heads
+        if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
 
 
@@ -224,23 +228,47 @@ class Transformer(nn.Module):
         self.max_seq_length = max_seq_length
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
-                kv_len: int | None = None):
+                kv_len: int | None = None, block_mask: BlockMask | None = None):
         """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
         or (B, 1, V) for the last position only when last_only is set (prefill).
 
-        kv_len, when the caller knows it on the host (eager decoding), limits
-        attention to the first kv_len cache slots; compiled steps leave it None
-        and attend over the whole static cache, masked."""
+        Attention reads only the filled part of the cache: eager callers pass
+        kv_len (known on the host); compiled decode steps pass a one-row
+        block_mask (see decode_block_mask), whose flex-attention kernel skips
+        the empty blocks. With neither, attention covers the whole cache, masked."""
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        # Causal mask: the query at position p sees keys 0..p.
-        keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
-        mask = keys[None, :] <= input_pos[:, None]  # (T, S)
+        if block_mask is not None:
+            mask = block_mask
+        else:  # causal: the query at position p sees keys 0..p
+            keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
+            mask = keys[None, :] <= input_pos[:, None]  # (T, S)
         x = self.tok_embeddings(idx)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x)).float()
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def causal_block_mask(max_seq_length: int, device) -> BlockMask:
+    """The causal mask over the whole cache, in blocks (made once per cache)."""
+    return create_block_mask(_causal, None, None, max_seq_length, max_seq_length, device=device)
+
+
+def decode_block_mask(block_mask: BlockMask, input_pos: torch.Tensor) -> BlockMask:
+    """The row of block_mask for one query at position input_pos (shape (1,)).
+
+    Tensor indexing keeps it a static-shape operation inside a CUDA graph; the
+    mask function is shifted so that query index 0 means position input_pos."""
+    row = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
+    base = block_mask.mask_mod
+    row.mask_mod = lambda b, h, q_idx, kv_idx: base(b, h, q_idx + input_pos[0], kv_idx)
+    row.seq_lengths = (1, block_mask.seq_lengths[1])
+    return row
 
 
 def canonical_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:

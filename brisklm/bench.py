@@ -1,0 +1,288 @@
+"""`brisk bench`: decode speed against the device's own measured ceilings.
+
+In one process on one device: the read-bandwidth and matmul ceilings first,
+then a model (a preset's real shape with random weights, or a checkpoint):
+decode tokens/s (prefill excluded; median and min-max over samples), the bytes
+each token reads (weights actually read, one embedding row, plus the live KV
+cache) and the fraction of the read ceiling that makes; time to first token;
+prefill tokens/s and TFLOP/s; decode with a long context already cached; cold
+and warm compile (separate processes, empty then filled compiler cache); peak
+memory; and, with --peer hf, Hugging Face transformers on the same weights
+(static cache, compiled as its docs describe) with our/peer ratios.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device, fn, reps, warmup=2):
+    """Median seconds of fn() over reps runs (CUDA events on GPUs)."""
+    times = []
+    for i in range(warmup + reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def read_ceiling_gb_s(device, gb=None, reps=20):
+    """Read bandwidth: a sum over a buffer much larger than the caches; two
+    buffers alternate so the second read of one never hits in L2."""
+    gb = gb or (4.0 if device.type == "cuda" else 0.5)
+    n = int(gb * 1e9 / 4)
+    bufs = [torch.rand(n, device=device) for _ in range(2)]
+    turn = iter(range(10**9))
+    seconds = _timed(device, lambda: bufs[next(turn) % 2].sum(), reps)
+    del bufs
+    return n * 4 / seconds / 1e9
+
+
+def matmul_tflops(device, n=None, reps=10):
+    n = n or (8192 if device.type == "cuda" else 1024)
+    dtype = torch.bfloat16
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    return 2 * n**3 / _timed(device, lambda: a @ b, reps) / 1e12
+
+
+def kv_bytes_per_position(args, dtype) -> int:
+    elem = torch.finfo(dtype).bits // 8
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * elem
+
+
+def prefill_flops(args, tokens: int) -> float:
+    """Matmul FLOPs of a prefill that computes logits for the last token only."""
+    a = args
+    per_token = 2 * a.num_hidden_layers * (
+        a.hidden_size * (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+        + a.num_attention_heads * a.head_dim * a.hidden_size + 3 * a.hidden_size * a.intermediate_size)
+    attention = 2 * 2 * a.num_hidden_layers * a.num_attention_heads * a.head_dim * tokens * tokens / 2
+    return per_token * tokens + attention + 2 * a.hidden_size * a.vocab_size
+
+
+def _prompt(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _run(llm, ids, new_tokens):
+    llm.generator.reset()
+    for _ in llm.stream_ids(ids, new_tokens, stop_ids=()):
+        pass
+    return llm.stats
+
+
+def decode_figures(llm, prompt_len, new_tokens, samples, ceiling, dtype):
+    ids = _prompt(prompt_len, llm.model.args.vocab_size)
+    _run(llm, ids, new_tokens)  # warm-up (and compile)
+    rates = [_run(llm, ids, new_tokens).decode_tokens_per_s for _ in range(samples)]
+    live = prompt_len + new_tokens / 2  # mean cache length read during decode
+    per_token = llm.stats.weight_bytes + live * kv_bytes_per_position(llm.model.args, dtype)
+    rate = statistics.median(rates)
+    return {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "tokens_per_s": rate,
+            "min": min(rates), "max": max(rates), "bytes_per_token": per_token,
+            "fraction_of_ceiling": per_token * rate / (ceiling * 1e9)}
+
+
+def prefill_figures(llm, tokens, reps=3):
+    ids = _prompt(tokens, llm.model.args.vocab_size, seed=tokens)
+    _run(llm, ids, 1)
+    seconds = statistics.median(_run(llm, ids, 1).prefill_s for _ in range(reps))
+    return {"tokens": tokens, "ttft_ms": seconds * 1e3, "tokens_per_s": tokens / seconds,
+            "tflops": prefill_flops(llm.model.args, tokens) / seconds / 1e12}
+
+
+def startup_figures(argv: list[str]):
+    """Cold compile (empty compiler cache) and warm start, each in a fresh process."""
+    cmd = [sys.executable, "-m", "brisklm", "generate", *argv, "--compile", "--max_new_tokens", "8"]
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for name in ("cold", "warm"):
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            wall = time.perf_counter() - t0
+            if done.returncode:
+                return {"error": done.stderr.strip().splitlines()[-1:]}
+            loaded = float(re.search(r"Loaded in ([\d.]+) s", done.stderr).group(1))
+            compiled = float(re.search(r"Compiled in ([\d.]+) s", done.stderr).group(1))
+            out[name] = {"load_s": loaded, "compile_s": compiled, "process_s": wall}
+    return out
+
+
+def _to_hf_state_dict(args, state):
+    """Our canonical weights under Hugging Face names (split fused matrices)."""
+    a = args
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"],
+           "model.norm.weight": state["norm.weight"]}
+    if "output.weight" in state:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(a.num_hidden_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        wq, wk, wv = state[p + "attention.wqkv.weight"].split([q, kv, kv])
+        gate, up = state[p + "feed_forward.w13.weight"].split(a.intermediate_size)
+        out.update({h + "self_attn.q_proj.weight": wq, h + "self_attn.k_proj.weight": wk,
+                    h + "self_attn.v_proj.weight": wv, h + "mlp.gate_proj.weight": gate,
+                    h + "mlp.up_proj.weight": up,
+                    h + "self_attn.o_proj.weight": state[p + "attention.wo.weight"],
+                    h + "mlp.down_proj.weight": state[p + "feed_forward.w2.weight"],
+                    h + "input_layernorm.weight": state[p + "attention_norm.weight"],
+                    h + "post_attention_layernorm.weight": state[p + "ffn_norm.weight"]})
+    return out
+
+
+def hf_peer_figures(llm, prompt_len, new_tokens, samples):
+    """transformers' LlamaForCausalLM on the same weights: static cache, auto-compiled."""
+    import transformers
+    args, device = llm.model.args, llm.generator.device
+    config = transformers.LlamaConfig(**{k: v for k, v in args.to_dict().items()
+                                         if k not in ("num_local_experts", "num_experts_per_tok")})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    state = _to_hf_state_dict(args, dict(llm.model.state_dict()))
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config, device=device)
+    model.eval()
+    model.generation_config.cache_implementation = "static"
+    ids = torch.tensor([_prompt(prompt_len, args.vocab_size)], device=device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              pad_token_id=0)
+
+    def timed_generate():
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    with torch.no_grad():
+        first = timed_generate()
+        kw1 = dict(kw, max_new_tokens=1, min_new_tokens=1)
+        t_prefill = []
+        for _ in range(3):
+            _sync(device)
+            t0 = time.perf_counter()
+            model.generate(ids, **kw1)
+            _sync(device)
+            t_prefill.append(time.perf_counter() - t0)
+        totals = [timed_generate() for _ in range(samples)]
+    total, prefill_s = statistics.median(totals), statistics.median(t_prefill)
+    return {"first_call_s": first, "tokens_per_s_incl_prefill": new_tokens / total,
+            "tokens_per_s": (new_tokens - 1) / max(total - prefill_s, 1e-9),
+            "ttft_ms": prefill_s * 1e3}
+
+
+def run(opts) -> dict:
+    """Every figure for one model on one device; opts as parsed by the CLI."""
+    from .api import load, log
+    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    log(f"Measuring the ceilings of {device}...")
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "model": opts.preset or opts.checkpoint_path or "default",
+              "read_ceiling_gb_s": read_ceiling_gb_s(device),
+              "matmul_tflops": matmul_tflops(device)}
+    log(f"  read {result['read_ceiling_gb_s']:.0f} GB/s, bf16 matmul "
+        f"{result['matmul_tflops']:.1f} TFLOP/s")
+    longest = max([opts.prompt_tokens, *opts.prefill, *opts.context]) + opts.new_tokens + 8
+    llm = load(opts.checkpoint_path, preset=opts.preset, device=str(device), dtype=opts.dtype,
+               compile=opts.compile, compile_prefill=opts.compile_prefill,
+               compile_options=opts.compile_options, max_seq_length=longest, quiet=False)
+    dtype = llm.model.tok_embeddings.weight.dtype
+    ceiling = result["read_ceiling_gb_s"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    log(f"Decode: {opts.samples} samples of {opts.new_tokens} tokens after a "
+        f"{opts.prompt_tokens}-token prompt (the first run compiles)...")
+    t0 = time.perf_counter()
+    result["decode"] = decode_figures(llm, opts.prompt_tokens, opts.new_tokens, opts.samples,
+                                      ceiling, dtype)
+    result["first_run_s"] = time.perf_counter() - t0
+    result["ttft"] = [prefill_figures(llm, n) for n in sorted({opts.prompt_tokens, *opts.prefill})]
+    result["long_context"] = [decode_figures(llm, n, opts.new_tokens, max(1, opts.samples // 2),
+                                             ceiling, dtype) for n in opts.context]
+    if device.type == "cuda":
+        result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    if opts.startup:
+        log("Start-up: cold and warm compile in fresh processes...")
+        src = ["--preset", opts.preset] if opts.preset else (
+            ["--checkpoint_path", opts.checkpoint_path] if opts.checkpoint_path else [])
+        if opts.dtype:
+            src += ["--dtype", opts.dtype]
+        if opts.compile_options:
+            src += ["--compile_options", json.dumps(opts.compile_options)]
+        result["startup"] = startup_figures(src + ["--device", str(device)])
+    if opts.peer == "hf":
+        log("Peer: Hugging Face transformers, static cache, compiled...")
+        result["peer_hf"] = hf_peer_figures(llm, opts.prompt_tokens, opts.new_tokens, opts.samples)
+        result["ratio_vs_hf_decode"] = result["decode"]["tokens_per_s"] / result["peer_hf"]["tokens_per_s"]
+    return result
+
+
+def markdown(r: dict) -> str:
+    d = r["decode"]
+    lines = [f"### {r['model']} on {r['device']} (torch {r['torch']}, {r['date']})", "",
+             f"Ceilings measured in the same run: read {r['read_ceiling_gb_s']:.0f} GB/s, "
+             f"bf16 matmul {r['matmul_tflops']:.1f} TFLOP/s.", "",
+             "| figure | value |", "| --- | --- |",
+             f"| decode tokens/s ({d['prompt_tokens']}-token prompt, {d['new_tokens']} new) | "
+             f"{d['tokens_per_s']:.1f} (min {d['min']:.1f}, max {d['max']:.1f}) |",
+             f"| bytes read per token (weights + live KV) | {d['bytes_per_token'] / 1e9:.3f} GB |",
+             f"| fraction of the read ceiling | {d['fraction_of_ceiling']:.3f} |"]
+    for t in r["ttft"]:
+        lines.append(f"| prefill {t['tokens']} tokens: time to first token / tokens/s / TFLOP/s | "
+                     f"{t['ttft_ms']:.1f} ms / {t['tokens_per_s']:.0f} / {t['tflops']:.1f} "
+                     f"({t['tflops'] / r['matmul_tflops']:.2f} of matmul) |")
+    for c in r["long_context"]:
+        lines.append(f"| decode with {c['prompt_tokens']} tokens in the cache | "
+                     f"{c['tokens_per_s']:.1f} tok/s, {c['fraction_of_ceiling']:.3f} of ceiling "
+                     f"({c['bytes_per_token'] / 1e9:.3f} GB/token) |")
+    if "peak_memory_gb" in r:
+        lines.append(f"| peak GPU memory | {r['peak_memory_gb']:.1f} GB |")
+    for name, s in r.get("startup", {}).items():
+        if isinstance(s, dict):
+            lines.append(f"| {name} start: load / compile / whole process | {s['load_s']:.1f} s / "
+                         f"{s['compile_s']:.1f} s / {s['process_s']:.1f} s |")
+    if "peer_hf" in r:
+        p = r["peer_hf"]
+        lines += [f"| transformers static+compile decode tokens/s | {p['tokens_per_s']:.1f} "
+                  f"({p['tokens_per_s_incl_prefill']:.1f} incl. prefill; TTFT {p['ttft_ms']:.1f} ms) |",
+                  f"| ratio brisk / transformers (decode) | {r['ratio_vs_hf_decode']:.2f}x |"]
+    return "\n".join(lines) + "\n"
+
+
+def main(opts):
+    result = run(opts)
+    text = markdown(result)
+    if opts.json:
+        with open(opts.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if opts.markdown:
+        with open(opts.markdown, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)

@@ -1,0 +1,59 @@
+"""`brisk bench` on the CPU: the harness runs end to end and its arithmetic is right."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from brisklm.bench import _to_hf_state_dict, kv_bytes_per_position, prefill_flops
+from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.presets import preset
+
+TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                 num_attention_heads=6, num_key_value_heads=2)
+
+
+def test_bench_reports_every_figure(smollm2_gguf, tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "brisklm", "bench", "--checkpoint_path", smollm2_gguf, "--device", "cpu",
+         "--prefill", "32", "--context", "64", "--samples", "2", "--new_tokens", "4",
+         "--json", str(out), "--markdown", str(tmp_path / "bench.md")],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    r = json.loads(out.read_text())
+    assert r["read_ceiling_gb_s"] > 0 and r["matmul_tflops"] > 0
+    d = r["decode"]
+    assert d["min"] <= d["tokens_per_s"] <= d["max"] and d["tokens_per_s"] > 0
+    assert 0 < d["fraction_of_ceiling"] <= 1.5  # noisy CPU; above 1 would mean a wrong count
+    assert [t["tokens"] for t in r["ttft"]] == [5, 32]
+    assert r["long_context"][0]["prompt_tokens"] == 64
+    assert "| fraction of the read ceiling |" in (tmp_path / "bench.md").read_text()
+
+
+def test_kv_bytes_of_llama_3_1_8b():
+    # 32 layers x (k + v) x 8 heads x 128 dims x 2 bytes = 128 KiB per position.
+    assert kv_bytes_per_position(preset("llama-3.1-8b"), torch.bfloat16) == 131072
+
+
+def test_prefill_flops_count_two_per_weight_per_token():
+    args = preset("llama-3.1-8b")
+    weights = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+    attention = 2 * 2 * 32 * 32 * 128 * 1024 * 1024 / 2
+    assert prefill_flops(args, 1024) == 2 * weights * 1024 + attention + 2 * 4096 * 128256
+
+
+def test_the_peer_gets_the_same_weights():
+    transformers = pytest.importorskip("transformers")
+    state = random_state_dict(TINY, torch.float32, std=0.3)
+    ours = build_model(TINY, state)
+    ours.setup_caches(1, 16)
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY.to_dict().items()
+                                         if k not in ("num_local_experts", "num_experts_per_tok")})
+    ref = transformers.LlamaForCausalLM(config).eval()
+    ref.load_state_dict(_to_hf_state_dict(TINY, state))
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(5)) - ref(ids).logits).abs().max() <= 1e-4
