@@ -162,9 +162,16 @@ def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop) -> Iterator[str]:
 
 def load(path: str | None = None, *, device: str | None = None, dtype=None,
          compile: bool = False, compile_prefill: bool = False, max_seq_length: int | None = None,
-         preset: str | None = None, quiet: bool = True, compile_options: dict | None = None) -> LLM:
+         preset: str | None = None, quiet: bool = True, compile_options: dict | None = None,
+         quantize: str | None = "auto", groupsize: int = 128) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
-    or, with preset=NAME, a model of that shape with random weights."""
+    or, with preset=NAME, a model of that shape with random weights.
+
+    quantize: "int8" (per channel) or "int4" (groupsize) weight-only, by
+    round-to-nearest at load; "gguf" keeps a GGUF file's Q4_0/Q4_1 matrices
+    as they are (int4, group 32), with no dequantize-requantize round trip;
+    "auto" (the default) does that for GGUF files that have such matrices and
+    nothing otherwise; None or "none" keeps every weight dense."""
     from .checkpoints import load as load_checkpoint
     device = device or default_device()
     try:
@@ -184,8 +191,24 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     else:
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype})...", quiet)
         ckpt = load_checkpoint(path, device=device, dtype=dtype,
-                               progress=None if quiet else _progress_bar)
+                               progress=None if quiet else _progress_bar,
+                               keep_gguf_int4=quantize in ("gguf", "auto"))
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
+        kept = sum(k.endswith("_int4") for k in state)
+        if quantize == "gguf" and not kept:
+            raise BriskError(f"{name}: --quantize gguf needs a GGUF file with Q4_0/Q4_1 matrices")
+        if kept and quantize in ("gguf", "auto"):
+            log(f"Kept {kept} GGUF Q4 matrices as int4 (--quantize none to dequantize them)", quiet)
+    if quantize in ("int8", "int4"):
+        from .quantize import quantize_state_dict
+        log(f"Quantizing to {quantize}" + (f" (group {groupsize})" if quantize == "int4" else "")
+            + "...", quiet)
+        try:
+            args, state = quantize_state_dict(args, state, quantize, groupsize)
+        except ValueError as e:
+            raise BriskError(str(e)) from None
+    elif quantize not in (None, "none", "auto", "gguf"):
+        raise BriskError(f"unknown quantization {quantize!r} (choose from int8, int4, gguf, auto, none)")
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,

@@ -205,6 +205,7 @@ def run(opts) -> dict:
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "model": opts.preset or opts.checkpoint_path or "default",
+              "quantize": opts.quantize and (opts.quantize + (f"-g{opts.groupsize}" if opts.quantize == "int4" else "")),
               "read_ceiling_gb_s": read_ceiling_gb_s(device),
               "matmul_tflops": matmul_tflops(device)}
     log(f"  read {result['read_ceiling_gb_s']:.0f} GB/s, bf16 matmul "
@@ -212,7 +213,8 @@ def run(opts) -> dict:
     longest = max([opts.prompt_tokens, *opts.prefill, *opts.context]) + opts.new_tokens + 8
     llm = load(opts.checkpoint_path, preset=opts.preset, device=str(device), dtype=opts.dtype,
                compile=opts.compile, compile_prefill=opts.compile_prefill,
-               compile_options=opts.compile_options, max_seq_length=longest, quiet=False)
+               compile_options=opts.compile_options, max_seq_length=longest, quiet=False,
+               quantize=opts.quantize, groupsize=opts.groupsize)
     dtype = llm.model.tok_embeddings.weight.dtype
     ceiling = result["read_ceiling_gb_s"]
     if device.type == "cuda":
@@ -236,6 +238,8 @@ def run(opts) -> dict:
             src += ["--dtype", opts.dtype]
         if opts.compile_options:
             src += ["--compile_options", json.dumps(opts.compile_options)]
+        if opts.quantize:
+            src += ["--quantize", opts.quantize, "--groupsize", str(opts.groupsize)]
         result["startup"] = startup_figures(src + ["--device", str(device)])
     if opts.peer == "hf":
         log("Peer: Hugging Face transformers, static cache, compiled...")
@@ -246,7 +250,8 @@ def run(opts) -> dict:
 
 def markdown(r: dict) -> str:
     d = r["decode"]
-    lines = [f"### {r['model']} on {r['device']} (torch {r['torch']}, {r['date']})", "",
+    quant = f", {r['quantize']}" if r.get("quantize") else ""
+    lines = [f"### {r['model']}{quant} on {r['device']} (torch {r['torch']}, {r['date']})", "",
              f"Ceilings measured in the same run: read {r['read_ceiling_gb_s']:.0f} GB/s, "
              f"bf16 matmul {r['matmul_tflops']:.1f} TFLOP/s.", "",
              "| figure | value |", "| --- | --- |",

@@ -1,4 +1,4 @@
-"""`brisk`: generate, chat, convert, bench and download from the command line.
+"""`brisk`: generate, chat, convert, quantize, eval, bench and download from the command line.
 
 User errors (bad paths, corrupt files, bad values) print one line
 `error: ...` and exit with status 2; they never show a traceback.
@@ -24,6 +24,10 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
     p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: min(context, 4096))")
+    p.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "gguf"], default="auto",
+                   help="weight-only quantization at load: int8, int4 (RTN); gguf keeps a GGUF file's "
+                        "Q4_0/Q4_1 blocks as int4; auto (default) = gguf where possible, else none")
+    p.add_argument("--groupsize", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
     p.add_argument("--compile_options", type=_json_dict, default=None,
                    help='inductor options as JSON, e.g. \'{"coordinate_descent_tuning": true}\'')
 
@@ -75,6 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None)
     b.add_argument("--markdown", default=None)
 
+    q = sub.add_parser("quantize", help="write a weight-only quantized native checkpoint")
+    q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
+    q.add_argument("--mode", choices=["int8", "int4", "gguf"], required=True)
+    q.add_argument("--groupsize", type=int, default=128)
+    q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it")
+    q.add_argument("--dtype", default="bfloat16", help="dtype of the tensors left dense")
+
+    e = sub.add_parser("eval", help="perplexity (and KL against the unquantized model)")
+    _model_flags(e)
+    e.add_argument("--perplexity", action="store_true", help="(the one evaluation so far)")
+    e.add_argument("--text", default=None, help="a UTF-8 text file (default: pydoc_data.topics)")
+    e.add_argument("--max_tokens", type=int, default=8192)
+    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--reference", action="store_true",
+                   help="also run the unquantized model and report mean KL divergence against it")
+
     d = sub.add_parser("download", help="fetch a Hugging Face repo (or, with no id, the default model)")
     d.add_argument("repo_id", nargs="?", default=None)
     d.add_argument("--revision", default=None)
@@ -102,7 +122,8 @@ def _load(args, quiet=False):
         raise BriskError("give either --checkpoint_path or --preset, not both")
     return load(args.checkpoint_path, device=args.device, dtype=args.dtype, compile=args.compile,
                 compile_prefill=args.compile_prefill, max_seq_length=args.max_seq_length,
-                preset=args.preset, quiet=quiet, compile_options=args.compile_options)
+                preset=args.preset, quiet=quiet, compile_options=args.compile_options,
+                quantize=args.quantize, groupsize=args.groupsize)
 
 
 def _sampling(args) -> dict:
@@ -219,6 +240,61 @@ def cmd_download(args):
     print(path)
 
 
+def cmd_quantize(args):
+    from .api import log, parse_dtype
+    from .checkpoints import load
+    from .checkpoints.native import save_native
+    from .quantize import quantize_state_dict
+    source = args.checkpoint_path or "the bundled default model"
+    log(f"Reading {source}...")
+    ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype),
+                keep_gguf_int4=args.mode == "gguf")
+    model_args, state = ckpt.args, ckpt.state_dict
+    if args.mode == "gguf":
+        if not any(k.endswith("_int4") for k in state):
+            raise BriskError(f"{ckpt.path}: --mode gguf needs a GGUF file with Q4_0/Q4_1 matrices")
+    else:
+        log(f"Quantizing to {args.mode}...")
+        try:
+            model_args, state = quantize_state_dict(model_args, state, args.mode, args.groupsize)
+        except ValueError as e:
+            raise BriskError(str(e)) from None
+    output = args.output or os.path.splitext(ckpt.path.rstrip("/"))[0] + f"-{args.mode}"
+    scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
+              (args.groupsize if args.mode == "int4" else None)}
+    log(f"Writing {output}...")
+    save_native(output, model_args, state, ckpt.tokenizer, quantization=scheme)
+    log(f"Done: {output}")
+    print(output)
+
+
+def cmd_eval(args):
+    import torch
+    from .api import load, log
+    from .evaluate import default_text, perplexity, perplexity_and_kl
+    llm = _load(args)
+    if args.text:
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BriskError(f"{args.text}: cannot read text ({e})") from None
+    else:
+        text = default_text()
+    ids = torch.tensor(llm._tok().encode(text)[:args.max_tokens])
+    if ids.numel() < 2:
+        raise BriskError("the text has fewer than 2 tokens")
+    log(f"Scoring {ids.numel()} tokens in windows of {args.window}...")
+    if args.reference:
+        ref = load(args.checkpoint_path, device=args.device, dtype=args.dtype, preset=args.preset,
+                   quantize="none", quiet=True)
+        ppl, ppl_ref, kl = perplexity_and_kl(llm.model, ref.model, ids, args.window)
+        print(f"perplexity {ppl:.4f} (reference {ppl_ref:.4f}, {100 * (ppl / ppl_ref - 1):+.2f}%), "
+              f"mean KL divergence {kl:.5f}")
+    else:
+        print(f"perplexity {perplexity(llm.model, ids, args.window):.4f}")
+
+
 def cmd_bench(args):
     from .bench import main
     if args.checkpoint_path and args.preset:
@@ -227,7 +303,8 @@ def cmd_bench(args):
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,
-            "download": cmd_download, "bench": cmd_bench}
+            "download": cmd_download, "bench": cmd_bench, "quantize": cmd_quantize,
+            "eval": cmd_eval}
 
 
 def main(argv=None) -> int:

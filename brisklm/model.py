@@ -295,19 +295,39 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transfo
     """Make a Transformer whose parameters are the given tensors (no copy).
 
     The module is created on the meta device and the tensors assigned, so the
-    weights exist once, wherever the reader put them."""
+    weights exist once, wherever the reader put them. A Linear whose weight
+    comes quantized (quantize.py's `W_int8` / `W_int4` entries) becomes the
+    module that reads those integers."""
+    from .quantize import check_entries, quantized_entries, quantized_linear
     expected = canonical_names(args)
-    missing = [n for n in expected if n not in state_dict]
-    if missing:
-        raise ValueError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+    quantized = {}
     for name, shape in expected.items():
-        if tuple(state_dict[name].shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
-                             f"expected {shape}")
+        if name in state_dict:
+            if tuple(state_dict[name].shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
+                                 f"expected {shape}")
+            continue
+        parts = quantized_entries(state_dict, name)
+        if parts is None:
+            missing = [n for n in expected if n not in state_dict
+                       and quantized_entries(state_dict, n) is None]
+            raise ValueError(f"missing tensor {name!r} ({len(missing)} missing)")
+        problem = check_entries(name, parts, shape)
+        if problem:
+            raise ValueError(problem)
+        quantized[name] = parts
     with torch.device("meta"):
         model = Transformer(args)
-    model.load_state_dict({n: state_dict[n] for n in expected}, strict=False, assign=True)
+    model.load_state_dict({n: state_dict[n] for n in expected if n in state_dict},
+                          strict=False, assign=True)
     model.tie_weights()
+    dtype = model.tok_embeddings.weight.dtype
+    for name, parts in quantized.items():
+        path, _ = name.rsplit(".", 1)  # "layers.3.attention.wqkv"
+        parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
+        parent = model.get_submodule(parent_path)
+        bias = state_dict.get(path + ".bias")
+        setattr(parent, attr, quantized_linear(parts, expected[name][1], dtype, bias))
     return model.eval().requires_grad_(False)
 
 

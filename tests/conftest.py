@@ -17,6 +17,8 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="session")
 def smol_llm(smollm2_gguf):
-    """The real SmolLM2 model, fp32 on the CPU, loaded once per test session."""
+    """The real SmolLM2 model, fp32 on the CPU, every weight dequantized (the exact
+    reference path; test_quantize.py covers the int4 blocks kept as they are)."""
     import brisklm
-    return brisklm.load(smollm2_gguf, device="cpu", dtype="float32", max_seq_length=1024)
+    return brisklm.load(smollm2_gguf, device="cpu", dtype="float32", max_seq_length=1024,
+                        quantize="none")

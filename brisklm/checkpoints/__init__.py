@@ -25,10 +25,13 @@ class Checkpoint:
     path: str
 
 
-def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=None) -> Checkpoint:
+def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=None,
+         keep_gguf_int4: bool = False) -> Checkpoint:
     """Read a checkpoint, placing each tensor on device in dtype as it is read.
 
-    progress, if given, is called as progress(done, total) while tensors load."""
+    progress, if given, is called as progress(done, total) while tensors load.
+    keep_gguf_int4 keeps a GGUF file's Q4_0/Q4_1 matrices as int4 entries
+    (quantize.py's format) instead of dequantizing them."""
     if path is None:
         from .hub import default_model_path
         path = default_model_path()
@@ -52,7 +55,7 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
         magic = f.read(4)
     if magic == b"GGUF":
         from .gguf import load_gguf
-        return load_gguf(path, device, dtype, progress)
+        return load_gguf(path, device, dtype, progress, keep_gguf_int4)
     raise BriskError(f"{path}: unrecognised checkpoint format (expected a GGUF file or a "
                      f"Hugging Face / brisk-lm folder)")
 
@@ -86,7 +89,7 @@ def tracked(items, progress):
 
 
 def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
-                           file_name=lambda name: name, progress=None):
+                           file_name=lambda name: name, progress=None, skip=()):
     """Canonical state dict from a getter of Hugging Face-named tensors.
 
     Tensors are converted one at a time, so peak memory is the result plus one
@@ -110,6 +113,8 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
                  "mlp.gate_proj": a.intermediate_size, "mlp.up_proj": a.intermediate_size}
     state = {}
     for name, shape in tracked(shapes.items(), progress):
+        if name in skip:  # provided otherwise (e.g. kept quantized)
+            continue
         if name == "tok_embeddings.weight":
             state[name] = fetch("model.embed_tokens.weight", shape)
         elif name == "norm.weight":
@@ -129,3 +134,12 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
                 state[name] = torch.cat(parts)
                 del parts
     return state
+
+
+def hf_parts(name: str) -> list[str]:
+    """The Hugging Face tensors a canonical Linear weight is made of, in order."""
+    if name == "output.weight":
+        return ["lm_head.weight"]
+    _, i, local = name.split(".", 2)
+    prefix = f"model.layers.{i}."
+    return [prefix + p for p in (HF_FUSED[local] if local in HF_FUSED else [HF_LAYER[local]])]

@@ -156,7 +156,7 @@ def load_tokenizer(meta: dict, path: str) -> Tokenizer:
                      meta.get("tokenizer.chat_template"))
 
 
-def load_gguf(path: str, device, dtype, progress=None) -> Checkpoint:
+def load_gguf(path: str, device, dtype, progress=None, keep_int4=False) -> Checkpoint:
     from gguf.quants import dequantize
     reader = open_reader(path)
     meta = metadata(reader)
@@ -197,6 +197,56 @@ def load_gguf(path: str, device, dtype, progress=None) -> Checkpoint:
             return f"blk.{i}.{gguf_names[local]}"
         return gguf_names[hf_name]
 
+    kept = {}
+    if keep_int4:
+        qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
+                    if ARCHITECTURES[arch]["permuted_qk"] else {})
+        kept = keep_int4_blocks(args, tensors, by_hf, qk_heads, device)
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
-                                   progress)
+                                   progress, skip=kept)
+    for name, parts in kept.items():
+        state.update({f"{name}_{suffix}": t for suffix, t in parts.items()})
     return Checkpoint(args, state, load_tokenizer(meta, path), path)
+
+
+# Q4_0 / Q4_1 blocks hold 32 weights: fp16 d, (Q4_1: fp16 m), 16 bytes of codes
+# whose low nibbles are weights 0-15 and high nibbles weights 16-31.
+# Q4_1: w = d * q + m = (q - 8) * d + (m + 8 d);  Q4_0: w = (q - 8) * d.
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def int4_from_blocks(tensor):
+    """A Q4_0/Q4_1 tensor as (codes (N, K) uint8, scale, zero (N, K/32) fp32)."""
+    kind = tensor.tensor_type.name
+    raw = np.asarray(tensor.data)
+    blocks = raw.reshape(raw.shape[0], -1, Q4_BLOCK_BYTES[kind])  # (N, K/32, bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero, qs = m + 8 * d, blocks[..., 4:]
+    else:
+        zero, qs = np.zeros_like(d), blocks[..., 2:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(raw.shape[0], -1)
+    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def keep_int4_blocks(args, tensors, by_hf, qk_heads, device) -> dict:
+    """int4 entries for every Linear whose GGUF tensors are all Q4_0/Q4_1."""
+    from ..quantize import pack_int4, quantized_linear_names
+    from . import hf_parts
+    kept = {}
+    for name in quantized_linear_names(args):
+        parts = hf_parts(name)
+        if not all(p in by_hf and tensors[by_hf[p]].tensor_type.name in Q4_BLOCK_BYTES for p in parts):
+            continue
+        pieces = []
+        for p in parts:
+            codes, scale, zero = int4_from_blocks(tensors[by_hf[p]])
+            heads = qk_heads.get(p.split(".")[-2])
+            if heads:  # undo llama.cpp's q/k row order, as for dense weights
+                codes, scale, zero = (unpermute_qk(t, heads) for t in (codes, scale, zero))
+            pieces.append((codes, scale, zero))
+        codes, scale, zero = (torch.cat(ts) for ts in zip(*pieces))
+        kept[name] = {"int4": pack_int4(codes).to(device), "scale": scale.to(device),
+                      "zero": zero.to(device)}
+    return kept

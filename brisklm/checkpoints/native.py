@@ -22,12 +22,23 @@ from . import Checkpoint, tracked
 FORMAT_VERSION = 1
 
 
-def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Tokenizer | None):
+def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Tokenizer | None,
+                quantization: dict | None = None):
+    """Write the canonical tensors (dense, or quantize.py's entries) and the metadata."""
     from safetensors.torch import save_file
+
+    from ..quantize import quantized_entries
     os.makedirs(folder, exist_ok=True)
-    tensors = {n: state_dict[n].contiguous() for n in canonical_names(args)}
+    tensors = {}
+    for name in canonical_names(args):
+        parts = None if name in state_dict else quantized_entries(state_dict, name)
+        if parts is None:
+            tensors[name] = state_dict[name].contiguous()
+        else:
+            tensors.update({f"{name}_{s}": t.contiguous() for s, t in parts.items()})
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
+            "quantization": quantization,
             "tokenizer": tokenizer.save(folder) if tokenizer else None}
     with open(os.path.join(folder, "brisk.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=1)
@@ -51,7 +62,12 @@ def load_native(folder: str, device, dtype, progress=None) -> Checkpoint:
             keys = set(f.keys())
             for name, shape in tracked(canonical_names(args).items(), progress):
                 if name not in keys:
-                    raise BriskError(f"{weights}: missing tensor {name!r}")
+                    quantized = [k for k in keys if k.startswith(name + "_")]
+                    if not quantized:
+                        raise BriskError(f"{weights}: missing tensor {name!r}")
+                    # Quantized entries keep their own dtypes (integers, fp32 scales).
+                    state.update({k: f.get_tensor(k) for k in quantized})
+                    continue
                 t = f.get_tensor(name)
                 if tuple(t.shape) != shape:
                     raise BriskError(f"{weights}: tensor {name!r} has shape {tuple(t.shape)}, "

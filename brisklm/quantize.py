@@ -1,0 +1,210 @@
+"""Weight-only quantization: int8 per channel, int4 per group, as a transformation.
+
+The model code is unchanged: a quantized weight lives in the state dict under
+the Linear's name with a suffix, and `build_model` swaps in the module that
+reads it. Nothing is ever dequantized into a full-precision copy; the matrix
+kernels read the small integers:
+
+  int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale.
+        CPU: aten._weight_int8pack_mm. CUDA: F.linear over q.to(dtype) times the
+        scales, which inductor fuses into one kernel when the step is compiled.
+  int4  `W_int4` (N, K/2) uint8, two codes a byte (even k in the high nibble),
+        `W_scale`, `W_zero` (N, K/group): w = (q - 8) * scale + zero, the layout
+        of PyTorch's int4 "tinygemm" kernels (aten._weight_int4pack_mm on CUDA,
+        aten._weight_int4pack_mm_for_cpu on CPU), packed for them at load.
+
+GGUF Q4_0 and Q4_1 blocks are this int4 format with group 32 (Q4_1: scale d,
+zero m + 8d; Q4_0: scale d, zero 0), so such files load without a lossy round
+trip (checkpoints/gguf.py). RTN (round to nearest) quantizes other weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ("int8", "int4")
+
+
+def quantized_linear_names(args) -> list[str]:
+    """The Linear weights quantization applies to (the embedding stays dense)."""
+    names = []
+    for i in range(args.num_hidden_layers):
+        p = f"layers.{i}."
+        names += [p + "attention.wqkv.weight", p + "attention.wo.weight",
+                  p + "feed_forward.w13.weight", p + "feed_forward.w2.weight"]
+    return names + ["output.weight"]
+
+
+# --- the formats ----------------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Symmetric per-output-channel int8 (RTN)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    return {"int8": q, "scale": scale}
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes 0..15 -> (N, K/2) uint8, even k in the high nibble."""
+    codes = codes.to(torch.uint8)
+    return (codes[:, ::2] << 4) | codes[:, 1::2]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) int32 codes."""
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def quantize_int4(w: torch.Tensor, groupsize: int, scale_dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Asymmetric groupwise int4 (RTN): each group of `groupsize` inputs maps its
+    [min, max] onto codes 0..15. K is zero-padded to a multiple of the group.
+
+    The kernels read scales and zeros in the activation dtype; rounding them to
+    scale_dtype first and choosing the codes against the rounded values keeps
+    that rounding from adding to the error (it halved the KL divergence of
+    SmolLM2 in bf16)."""
+    w = w.float()
+    n, k = w.shape
+    pad = -k % groupsize
+    if pad:
+        w = F.pad(w, (0, pad))
+    groups = w.reshape(n, -1, groupsize)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).to(scale_dtype).float()
+    zero = (lo + 8 * scale).to(scale_dtype).float()
+    codes = torch.round((groups - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
+    return {"int4": pack_int4(codes.reshape(n, -1)), "scale": scale, "zero": zero}
+
+
+def dequantize(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weights a quantized entry stands for, in fp32 (for tests and evaluation)."""
+    if "int8" in parts:
+        return parts["int8"].float() * parts["scale"].float()[:, None]
+    codes = unpack_int4(parts["int4"]).float()
+    n, k = codes.shape
+    scale, zero = parts["scale"].float(), parts["zero"].float()
+    g = k // scale.shape[1]
+    w = (codes.reshape(n, -1, g) - 8) * scale[..., None] + zero[..., None]
+    return w.reshape(n, k)
+
+
+def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128):
+    """Replace the Linear weights of a canonical state dict by quantized entries.
+
+    Returns (args, state). A tied output layer is untied first (the embedding
+    stays dense, the output GEMV reads the quantized copy): at batch 1 it is
+    one of the largest matrices."""
+    from dataclasses import replace
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
+    if mode == "int4" and groupsize not in (32, 64, 128, 256):
+        raise ValueError(f"int4 groupsize must be 32, 64, 128 or 256, got {groupsize}")
+    state = dict(state)
+    if args.tie_word_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+        args = replace(args, tie_word_embeddings=False)
+    for name in quantized_linear_names(args):
+        if name not in state:  # already quantized (e.g. a GGUF file's int4 blocks)
+            continue
+        w = state.pop(name)
+        # The output layer stays at 8 bits even in int4 mode (as llama.cpp's 4-bit
+        # files keep it at 6-8): at 4 bits it alone raised SmolLM2's KL divergence 10x.
+        int8 = mode == "int8" or name == "output.weight"
+        parts = quantize_int8(w) if int8 else quantize_int4(w, groupsize, w.dtype)
+        for suffix, t in parts.items():  # scales and zeros are kept in fp32
+            state[f"{name}_{suffix}"] = t.to(w.device)
+    return args, state
+
+
+def quantized_entries(state: dict, name: str) -> dict[str, torch.Tensor] | None:
+    """The quantized parts stored for Linear weight `name`, or None if it is dense."""
+    for kind, suffixes in (("int8", ("int8", "scale")), ("int4", ("int4", "scale", "zero"))):
+        if f"{name}_{kind}" in state:
+            return {s: state[f"{name}_{s}"] for s in suffixes}
+    return None
+
+
+# --- the modules ----------------------------------------------------------------
+
+class Int8WeightOnlyLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.to(dtype))
+        self.bias = bias
+
+    def forward(self, x):
+        if x.device.type == "cpu" and x.numel() == self.in_features:
+            # One token: the int8 GEMV kernel. Many (prefill): converting the
+            # weight once and using the dense matmul measured 3-30x faster.
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(1, -1), self.weight, self.scale)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+        return y if self.bias is None else y + self.bias
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """tinygemm int4: codes packed for the device's kernel, scales and zeros in
+    one (K/group, N, 2) tensor as that kernel wants them."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features, dtype,
+                 bias=None):
+        super().__init__()
+        self.bias = bias
+        n, k_padded = packed.shape[0], packed.shape[1] * 2
+        self.in_features, self.out_features = in_features, n
+        self.padded = k_padded
+        self.groupsize = k_padded // scale.shape[1]
+        device = packed.device
+        if device.type == "cuda":
+            if dtype != torch.bfloat16:
+                raise ValueError("int4 on CUDA needs bfloat16 activations (the tinygemm kernel)")
+            # tinygemm wants K in multiples of inner_k_tiles * 16 = 128: add whole
+            # groups of zeros (the padded inputs are zeros too, so they add nothing).
+            extra = -k_padded % 128
+            if extra:
+                packed = F.pad(packed, (0, extra // 2))
+                scale, zero = (F.pad(t, (0, extra // self.groupsize)) for t in (scale, zero))
+                self.padded = k_padded = k_padded + extra
+            weight = torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), 8)
+        else:
+            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed), 1)
+        self.register_buffer("weight", weight)
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # (K/g, N, 2)
+        self.register_buffer("scales_and_zeros", sz.to(dtype))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.padded != self.in_features:
+            x = F.pad(x, (0, self.padded - self.in_features))
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.groupsize,
+                                                           self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x, self.weight, self.groupsize, self.scales_and_zeros)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> nn.Module:
+    if "int8" in parts:
+        return Int8WeightOnlyLinear(parts["int8"], parts["scale"], dtype, bias)
+    return Int4WeightOnlyLinear(parts["int4"], parts["scale"].float(), parts["zero"].float(),
+                                in_features, dtype, bias)
+
+
+def check_entries(name: str, parts: dict, shape: tuple) -> str | None:
+    """Why the quantized parts for `name` do not fit a (N, K) weight, or None."""
+    n, k = shape
+    if "int8" in parts:
+        ok = parts["int8"].shape == (n, k) and parts["scale"].shape == (n,)
+    else:
+        q, s, z = parts["int4"], parts["scale"], parts["zero"]
+        ok = (q.dim() == 2 and q.shape[0] == n and 2 * q.shape[1] >= k and s.shape == z.shape
+              and s.dim() == 2 and s.shape[0] == n and (2 * q.shape[1]) % s.shape[1] == 0)
+    return None if ok else f"quantized tensor {name!r} does not fit shape {shape}"

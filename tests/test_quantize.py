@@ -1,0 +1,144 @@
+"""Weight-only quantization: kernels against their definition, GGUF blocks kept
+exactly, quality bounds on the real SmolLM2, and a bit-exact save/load round trip."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brisklm.checkpoints import load
+from brisklm.checkpoints.native import save_native
+from brisklm.evaluate import default_text, perplexity_and_kl
+from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.quantize import (dequantize, pack_int4, quantize_int4, quantize_int8,
+                              quantize_state_dict, quantized_entries, quantized_linear,
+                              unpack_int4)
+
+
+def test_int4_packing_round_trips():
+    codes = torch.randint(0, 16, (6, 64), dtype=torch.int32)
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+
+
+@pytest.mark.parametrize("mode,groupsize", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("k", [256, 576])  # 576 is not a multiple of 128: padded groups
+def test_quantized_linear_computes_with_the_dequantized_weight(mode, groupsize, k):
+    torch.manual_seed(0)
+    w = torch.randn(96, k)
+    parts = quantize_int8(w) if mode == "int8" else quantize_int4(w, groupsize)
+    layer = quantized_linear(parts, k, torch.float32)
+    x = torch.randn(3, k)
+    expected = F.linear(x, dequantize(parts)[:, :k])
+    assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4)
+    # and the quantization error itself is what the format allows
+    step = (w.abs().amax(1, keepdim=True) / 127) if mode == "int8" else None
+    if step is not None:
+        assert ((dequantize(parts) - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_int4_error_is_within_half_a_step_of_each_group():
+    w = torch.randn(8, 128)
+    parts = quantize_int4(w, 32)
+    groups = w.reshape(8, 4, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (dequantize(parts) - w).reshape(8, 4, 32).abs().amax(-1)
+    assert (err <= step / 2 + 1e-5).all()
+
+
+def test_quantized_model_with_attention_bias_matches_its_dequantized_weights():
+    args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                     tie_word_embeddings=True)
+    state = random_state_dict(args, torch.float32, std=0.1)
+    qargs, qstate = quantize_state_dict(args, state, "int4", 32)
+    assert not qargs.tie_word_embeddings  # the output layer was untied to be quantized
+    dense = dict(qstate)
+    for name in list(dense):
+        for suffix in ("_int4", "_int8"):
+            if name.endswith(suffix):
+                base = name[:-len(suffix)]
+                dense[base] = dequantize(quantized_entries(qstate, base))
+    dense = {k: v for k, v in dense.items() if not k.endswith(("_int4", "_scale", "_zero"))}
+    a, b = build_model(qargs, qstate), build_model(qargs, dense)
+    for m in (a, b):
+        m.setup_caches(1, 16)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        assert torch.allclose(a(ids, torch.arange(4)), b(ids, torch.arange(4)), atol=1e-4)
+
+
+# --- GGUF Q4_1 blocks kept as int4 --------------------------------------------------
+
+def test_gguf_q4_blocks_are_kept_exactly(smollm2_gguf):
+    """The int4 entries stand for exactly the values the gguf library dequantizes."""
+    dense = load(smollm2_gguf, dtype=torch.float32)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_int4=True)
+    names = [n for n in dense.state_dict if n.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight"))]
+    assert len(names) == 4 * 30
+    for name in names:
+        assert name not in kept.state_dict
+        assert torch.equal(dequantize(quantized_entries(kept.state_dict, name)), dense.state_dict[name]), name
+
+
+def test_gguf_native_logits_equal_the_dequantized_model(smollm2_gguf):
+    """Bound: with fp32 scales and zeros the int4 kernel differs from a dense matmul
+    over the same dequantized weights only in summation order: <= 1e-5 relative."""
+    dense = load(smollm2_gguf, dtype=torch.float32)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_int4=True)
+    a, b = build_model(dense.args, dense.state_dict), build_model(kept.args, kept.state_dict)
+    ids = torch.tensor([dense.tokenizer.encode("def fibonacci(n):\n    return n if n < 2 else")])
+    for m in (a, b):
+        m.setup_caches(1, 64)
+    with torch.no_grad():
+        la, lb = a(ids, torch.arange(ids.shape[1])), b(ids, torch.arange(ids.shape[1]))
+    assert (la - lb).abs().max() / la.abs().max() <= 1e-5
+
+
+# --- quality on the real model ----------------------------------------------------
+
+@pytest.mark.parametrize("mode,groupsize,dtype,max_ppl_increase,max_kl", [
+    # fp32: the int8 kernel runs in fp32 on the CPU, so this is the format's own error
+    ("int8", None, torch.float32, 0.005, 0.01),
+    # bf16 (the int4 kernels want bf16 scales): measured +0.85%, KL 0.005
+    ("int4", 32, torch.bfloat16, 0.05, 0.02),
+])
+def test_quantized_quality_bounds(smollm2_gguf, mode, groupsize, dtype, max_ppl_increase, max_kl):
+    """Perplexity on 1024 tokens of pydoc_data.topics (windows of 256) and mean KL
+    against the unquantized model in the same dtype. SmolLM2's weights are already
+    Q4_1 (group 32): coarser int4 groups cut across its blocks and lose much more
+    (g64 +32%, g128 +55%; benchmarks/RESULTS.md), so only g32 is bounded here."""
+    ckpt = load(smollm2_gguf, dtype=dtype)
+    ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
+    dense = build_model(ckpt.args, ckpt.state_dict)
+    args, state = quantize_state_dict(ckpt.args, ckpt.state_dict, mode, groupsize or 128)
+    ppl, ppl_ref, kl = perplexity_and_kl(build_model(args, state), dense, ids, window=256)
+    assert ppl <= ppl_ref * (1 + max_ppl_increase)
+    assert 0 <= kl <= max_kl
+
+
+def test_gguf_native_quality_in_bf16(smollm2_gguf):
+    """In bf16 the int4 kernel rounds scales and zeros to bf16: measured +0.45%, KL 0.002."""
+    ckpt = load(smollm2_gguf, dtype=torch.bfloat16)
+    kept = load(smollm2_gguf, dtype=torch.bfloat16, keep_gguf_int4=True)
+    ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
+    ppl, ppl_ref, kl = perplexity_and_kl(build_model(kept.args, kept.state_dict),
+                                         build_model(ckpt.args, ckpt.state_dict), ids, window=256)
+    assert ppl <= ppl_ref * 1.01 and 0 <= kl <= 0.005
+
+
+# --- save and load ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_checkpoint_round_trip_is_bit_exact(tmp_path, mode):
+    args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    qargs, state = quantize_state_dict(args, random_state_dict(args, torch.float32, std=0.1), mode, 32)
+    save_native(str(tmp_path), qargs, state, None, quantization={"mode": mode})
+    again = load(str(tmp_path), dtype=torch.float32)
+    assert again.args == qargs and again.state_dict.keys() == state.keys()
+    for k, t in state.items():
+        assert torch.equal(again.state_dict[k], t), k
+    a, b = build_model(qargs, state), build_model(again.args, again.state_dict)
+    for m in (a, b):
+        m.setup_caches(1, 8)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(a(ids, torch.arange(3)), b(ids, torch.arange(3)))
