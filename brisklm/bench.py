@@ -197,6 +197,17 @@ def hf_peer_figures(llm, prompt_len, new_tokens, samples):
             "ttft_ms": prefill_s * 1e3}
 
 
+def _model_args(opts):
+    """The model's ModelArgs before loading it, where cheap to know (a preset)."""
+    if opts.preset:
+        from .presets import preset
+        try:
+            return preset(opts.preset)
+        except KeyError:
+            return None
+    return None
+
+
 def run(opts) -> dict:
     """Every figure for one model on one device; opts as parsed by the CLI."""
     from .api import load, log
@@ -210,7 +221,18 @@ def run(opts) -> dict:
               "matmul_tflops": matmul_tflops(device)}
     log(f"  read {result['read_ceiling_gb_s']:.0f} GB/s, bf16 matmul "
         f"{result['matmul_tflops']:.1f} TFLOP/s")
-    longest = max([opts.prompt_tokens, *opts.prefill, *opts.context]) + opts.new_tokens + 8
+    gpu = device.type == "cuda"
+    prefill = opts.prefill if opts.prefill is not None else ([1024, 8192] if gpu else [128])
+    context = opts.context if opts.context is not None else ([8192, 32768] if gpu else [1024])
+    args = _model_args(opts)
+    if args is not None:  # lengths past the model's trained context are not its figures
+        limit = args.max_position_embeddings - opts.new_tokens - 8
+        skipped = [n for n in prefill + context if n > limit]
+        if skipped:
+            log(f"  skipping lengths {skipped}: past the model's context of "
+                f"{args.max_position_embeddings} tokens")
+        prefill, context = [n for n in prefill if n <= limit], [n for n in context if n <= limit]
+    longest = max([opts.prompt_tokens, *prefill, *context]) + opts.new_tokens + 8
     llm = load(opts.checkpoint_path, preset=opts.preset, device=str(device), dtype=opts.dtype,
                compile=opts.compile, compile_prefill=opts.compile_prefill,
                compile_options=opts.compile_options, max_seq_length=longest, quiet=False,
@@ -225,9 +247,9 @@ def run(opts) -> dict:
     result["decode"] = decode_figures(llm, opts.prompt_tokens, opts.new_tokens, opts.samples,
                                       ceiling, dtype)
     result["first_run_s"] = time.perf_counter() - t0
-    result["ttft"] = [prefill_figures(llm, n) for n in sorted({opts.prompt_tokens, *opts.prefill})]
+    result["ttft"] = [prefill_figures(llm, n) for n in sorted({opts.prompt_tokens, *prefill})]
     result["long_context"] = [decode_figures(llm, n, opts.new_tokens, max(1, opts.samples // 2),
-                                             ceiling, dtype) for n in opts.context]
+                                             ceiling, dtype) for n in context]
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     if opts.startup:

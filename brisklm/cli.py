@@ -70,10 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt_tokens", type=int, default=5)
     b.add_argument("--new_tokens", type=int, default=200)
     b.add_argument("--samples", type=int, default=5)
-    b.add_argument("--prefill", type=_int_list, default=[1024, 8192],
-                   help="prompt lengths for prefill figures, comma-separated")
-    b.add_argument("--context", type=_int_list, default=[8192, 32768],
-                   help="cached lengths for long-context decode figures, comma-separated")
+    b.add_argument("--prefill", type=_int_list, default=None,
+                   help="prompt lengths for prefill figures, comma-separated "
+                        "(default 1024,8192 on GPUs, 128 on CPUs)")
+    b.add_argument("--context", type=_int_list, default=None,
+                   help="cached lengths for long-context decode figures, comma-separated "
+                        "(default 8192,32768 on GPUs, 1024 on CPUs; capped at the model's context)")
     b.add_argument("--startup", action="store_true", help="also time cold and warm compile")
     b.add_argument("--peer", choices=["hf"], default=None)
     b.add_argument("--json", default=None)
@@ -197,6 +199,9 @@ def cmd_chat(args):
     messages = [{"role": "system", "content": args.system}] if args.system else []
     start = list(messages)
     print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
+    if args.compile:
+        print("(The first reply also compiles the decode step: up to a minute or two.)",
+              file=sys.stderr)
     while True:
         try:
             line = input("> ")
