@@ -199,7 +199,14 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
             raise BriskError(f"{name}: --quantize gguf needs a GGUF file with Q4_0/Q4_1 matrices")
         if kept and quantize in ("gguf", "auto"):
             log(f"Kept {kept} GGUF Q4 matrices as int4 (--quantize none to dequantize them)", quiet)
-    if quantize in ("int8", "int4"):
+    if quantize == "int4-gptq":
+        from .gptq import calibration_ids, gptq_quantize_state_dict
+        if tokenizer is None:
+            raise BriskError("int4-gptq needs a tokenizer for its calibration text")
+        log(f"Quantizing to int4 with GPTQ (group {groupsize}), layer by layer...", quiet)
+        args, state = gptq_quantize_state_dict(args, state, calibration_ids(tokenizer), groupsize,
+                                               progress=None if quiet else _progress_bar)
+    elif quantize in ("int8", "int4"):
         from .quantize import quantize_state_dict
         log(f"Quantizing to {quantize}" + (f" (group {groupsize})" if quantize == "int4" else "")
             + "...", quiet)
@@ -208,7 +215,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         except ValueError as e:
             raise BriskError(str(e)) from None
     elif quantize not in (None, "none", "auto", "gguf"):
-        raise BriskError(f"unknown quantization {quantize!r} (choose from int8, int4, gguf, auto, none)")
+        raise BriskError(f"unknown quantization {quantize!r} "
+                         f"(choose from int8, int4, int4-gptq, gguf, auto, none)")
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,

@@ -24,7 +24,7 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
     p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: min(context, 4096))")
-    p.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "gguf"], default="auto",
+    p.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "int4-gptq", "gguf"], default="auto",
                    help="weight-only quantization at load: int8, int4 (RTN); gguf keeps a GGUF file's "
                         "Q4_0/Q4_1 blocks as int4; auto (default) = gguf where possible, else none")
     p.add_argument("--groupsize", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="write a weight-only quantized native checkpoint")
     q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
-    q.add_argument("--mode", choices=["int8", "int4", "gguf"], required=True)
+    q.add_argument("--mode", choices=["int8", "int4", "int4-gptq", "gguf"], required=True)
     q.add_argument("--groupsize", type=int, default=128)
     q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it")
     q.add_argument("--dtype", default="bfloat16", help="dtype of the tensors left dense")
@@ -258,6 +258,14 @@ def cmd_quantize(args):
     if args.mode == "gguf":
         if not any(k.endswith("_int4") for k in state):
             raise BriskError(f"{ckpt.path}: --mode gguf needs a GGUF file with Q4_0/Q4_1 matrices")
+    elif args.mode == "int4-gptq":
+        from .api import _progress_bar
+        from .gptq import calibration_ids, gptq_quantize_state_dict
+        if ckpt.tokenizer is None:
+            raise BriskError(f"{ckpt.path}: int4-gptq needs the checkpoint's tokenizer")
+        log(f"Quantizing to int4 with GPTQ (group {args.groupsize}), layer by layer...")
+        model_args, state = gptq_quantize_state_dict(model_args, state, calibration_ids(ckpt.tokenizer),
+                                                     args.groupsize, progress=_progress_bar)
     else:
         log(f"Quantizing to {args.mode}...")
         try:
@@ -266,7 +274,7 @@ def cmd_quantize(args):
             raise BriskError(str(e)) from None
     output = args.output or os.path.splitext(ckpt.path.rstrip("/"))[0] + f"-{args.mode}"
     scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
-              (args.groupsize if args.mode == "int4" else None)}
+              (args.groupsize if args.mode.startswith("int4") else None)}
     log(f"Writing {output}...")
     save_native(output, model_args, state, ckpt.tokenizer, quantization=scheme)
     log(f"Done: {output}")

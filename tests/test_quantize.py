@@ -142,3 +142,18 @@ def test_quantized_checkpoint_round_trip_is_bit_exact(tmp_path, mode):
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(a(ids, torch.arange(3)), b(ids, torch.arange(3)))
+
+
+def test_gptq_beats_rtn_at_the_same_group_size(smollm2_gguf):
+    """GPTQ (calibrated on the end of pydoc_data.topics) against RTN, both int4 g128,
+    scored on the start of it. Measured: GPTQ +25.5% perplexity, KL 0.22; RTN +55.4%, KL 0.43."""
+    from brisklm.gptq import calibration_ids, gptq_quantize_state_dict
+    ckpt = load(smollm2_gguf, dtype=torch.bfloat16)
+    ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
+    dense = build_model(ckpt.args, ckpt.state_dict)
+    gargs, gstate = gptq_quantize_state_dict(ckpt.args, ckpt.state_dict, calibration_ids(ckpt.tokenizer), 128)
+    rargs, rstate = quantize_state_dict(ckpt.args, ckpt.state_dict, "int4", 128)
+    g_ppl, _, g_kl = perplexity_and_kl(build_model(gargs, gstate), dense, ids, window=256)
+    r_ppl, _, r_kl = perplexity_and_kl(build_model(rargs, rstate), dense, ids, window=256)
+    assert g_ppl < r_ppl and g_kl < r_kl
+    assert gstate.keys() == rstate.keys()  # the same int4 format, loadable alike
