@@ -47,15 +47,46 @@ def parse_dtype(dtype) -> torch.dtype | None:
 
 
 def _progress_bar(done: int, total: int):
-    """A one-line tensor counter on a terminal; silent when stderr is a file."""
+    """A one-line counter on a terminal; silent when stderr is a file."""
     if sys.stderr.isatty():
         end = "\n" if done == total else ""
-        print(f"\r  tensors {done}/{total}", end=end, file=sys.stderr, flush=True)
+        print(f"\r  {done}/{total}", end=end, file=sys.stderr, flush=True)
 
 
 def log(message: str, quiet: bool = False):
     if not quiet:
         print(message, file=sys.stderr, flush=True)
+
+
+QUANTIZE_MODES = ("auto", "none", "int8", "int4", "int4-gptq", "gguf")
+
+
+def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="model", quiet=True):
+    """Apply a quantization mode to a loaded canonical state dict -> (args, state).
+
+    "gguf" / "auto" expect the reader to have kept a GGUF file's Q4 blocks
+    (checkpoints.load(keep_gguf_int4=True)); the others quantize here."""
+    kept = sum(k.endswith("_int4") for k in state)
+    if mode == "gguf" and not kept:
+        raise BriskError(f"{name}: quantization 'gguf' needs a GGUF file with Q4_0/Q4_1 matrices")
+    if kept and mode in ("gguf", "auto"):
+        log(f"Kept {kept} GGUF Q4 matrices as int4 (--quantize none to dequantize them)", quiet)
+    progress = None if quiet else _progress_bar
+    try:
+        if mode == "int4-gptq":
+            from .gptq import calibration_ids, gptq_quantize_state_dict
+            if tokenizer is None:
+                raise BriskError(f"{name}: int4-gptq needs a tokenizer for its calibration text")
+            log(f"Quantizing to int4 with GPTQ (group {groupsize}), layer by layer...", quiet)
+            return gptq_quantize_state_dict(args, state, calibration_ids(tokenizer), groupsize, progress)
+        if mode in ("int8", "int4"):
+            from .quantize import quantize_state_dict
+            log(f"Quantizing to {mode}" + (f" (group {groupsize})" if mode == "int4" else "")
+                + "...", quiet)
+            return quantize_state_dict(args, state, mode, groupsize)
+    except ValueError as e:
+        raise BriskError(f"{name}: {e}") from None
+    return args, state
 
 
 class LLM:
@@ -173,6 +204,9 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     "auto" (the default) does that for GGUF files that have such matrices and
     nothing otherwise; None or "none" keeps every weight dense."""
     from .checkpoints import load as load_checkpoint
+    quantize = quantize or "none"
+    if quantize not in QUANTIZE_MODES:
+        raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(QUANTIZE_MODES)})")
     device = device or default_device()
     try:
         torch.empty(0, device=device)
@@ -194,29 +228,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
                                progress=None if quiet else _progress_bar,
                                keep_gguf_int4=quantize in ("gguf", "auto"))
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
-        kept = sum(k.endswith("_int4") for k in state)
-        if quantize == "gguf" and not kept:
-            raise BriskError(f"{name}: --quantize gguf needs a GGUF file with Q4_0/Q4_1 matrices")
-        if kept and quantize in ("gguf", "auto"):
-            log(f"Kept {kept} GGUF Q4 matrices as int4 (--quantize none to dequantize them)", quiet)
-    if quantize == "int4-gptq":
-        from .gptq import calibration_ids, gptq_quantize_state_dict
-        if tokenizer is None:
-            raise BriskError("int4-gptq needs a tokenizer for its calibration text")
-        log(f"Quantizing to int4 with GPTQ (group {groupsize}), layer by layer...", quiet)
-        args, state = gptq_quantize_state_dict(args, state, calibration_ids(tokenizer), groupsize,
-                                               progress=None if quiet else _progress_bar)
-    elif quantize in ("int8", "int4"):
-        from .quantize import quantize_state_dict
-        log(f"Quantizing to {quantize}" + (f" (group {groupsize})" if quantize == "int4" else "")
-            + "...", quiet)
-        try:
-            args, state = quantize_state_dict(args, state, quantize, groupsize)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
-    elif quantize not in (None, "none", "auto", "gguf"):
-        raise BriskError(f"unknown quantization {quantize!r} "
-                         f"(choose from int8, int4, int4-gptq, gguf, auto, none)")
+    args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,

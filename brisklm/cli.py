@@ -246,32 +246,14 @@ def cmd_download(args):
 
 
 def cmd_quantize(args):
-    from .api import log, parse_dtype
+    from .api import log, parse_dtype, quantize_loaded
     from .checkpoints import load
     from .checkpoints.native import save_native
-    from .quantize import quantize_state_dict
-    source = args.checkpoint_path or "the bundled default model"
-    log(f"Reading {source}...")
+    log(f"Reading {args.checkpoint_path or 'the bundled default model'}...")
     ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype),
                 keep_gguf_int4=args.mode == "gguf")
-    model_args, state = ckpt.args, ckpt.state_dict
-    if args.mode == "gguf":
-        if not any(k.endswith("_int4") for k in state):
-            raise BriskError(f"{ckpt.path}: --mode gguf needs a GGUF file with Q4_0/Q4_1 matrices")
-    elif args.mode == "int4-gptq":
-        from .api import _progress_bar
-        from .gptq import calibration_ids, gptq_quantize_state_dict
-        if ckpt.tokenizer is None:
-            raise BriskError(f"{ckpt.path}: int4-gptq needs the checkpoint's tokenizer")
-        log(f"Quantizing to int4 with GPTQ (group {args.groupsize}), layer by layer...")
-        model_args, state = gptq_quantize_state_dict(model_args, state, calibration_ids(ckpt.tokenizer),
-                                                     args.groupsize, progress=_progress_bar)
-    else:
-        log(f"Quantizing to {args.mode}...")
-        try:
-            model_args, state = quantize_state_dict(model_args, state, args.mode, args.groupsize)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
+    model_args, state = quantize_loaded(ckpt.args, ckpt.state_dict, ckpt.tokenizer, args.mode,
+                                        args.groupsize, ckpt.path, quiet=False)
     output = args.output or os.path.splitext(ckpt.path.rstrip("/"))[0] + f"-{args.mode}"
     scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
               (args.groupsize if args.mode.startswith("int4") else None)}

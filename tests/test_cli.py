@@ -101,3 +101,36 @@ def test_offline_download_of_the_default_model_fails_with_a_clear_message(tmp_pa
     assert last.startswith("error: cannot download the default model") and "offline" in last
     assert "Traceback" not in done.stderr
     assert os.listdir(tmp_path) == []  # nothing half-written is left behind
+
+
+def test_quantize_writes_a_checkpoint_that_generates(smollm2_gguf, tmp_path):
+    out = tmp_path / "int8"
+    done = brisk("quantize", "--checkpoint_path", smollm2_gguf, "--mode", "int8", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    assert json_load(out / "brisk.json")["quantization"]["mode"] == "int8"
+    done = brisk("generate", "--checkpoint_path", str(out), "--prompt", "The capital of France is",
+                 "--max_new_tokens", "8", "--temperature", "0", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+
+
+def test_quantize_gguf_keeps_the_blocks(smollm2_gguf, tmp_path):
+    out = tmp_path / "kept"
+    done = brisk("quantize", "--checkpoint_path", smollm2_gguf, "--mode", "gguf", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    kept = load(smollm2_gguf, keep_gguf_int4=True, dtype=torch.bfloat16)
+    again = load(str(out), dtype=torch.bfloat16)
+    for name, t in kept.state_dict.items():
+        assert torch.equal(again.state_dict[name], t), name
+
+
+def test_eval_reports_perplexity_and_kl(smollm2_gguf):
+    done = brisk("eval", "--perplexity", "--checkpoint_path", smollm2_gguf, "--quantize", "int8",
+                 "--reference", "--max_tokens", "256", "--window", "128")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("perplexity ") and "mean KL divergence" in done.stdout
+
+
+def json_load(path):
+    import json
+    return json.loads(path.read_text())
