@@ -8,6 +8,9 @@ kernels read the small integers:
   int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale.
         CPU: aten._weight_int8pack_mm. CUDA: F.linear over q.to(dtype) times the
         scales, which inductor fuses into one kernel when the step is compiled.
+  fp8   `W_fp8` (N, K) float8_e4m3fn and `W_scale` (N,): w = f * scale, the
+        scale mapping each row's largest magnitude to e4m3's 448. Converted
+        inside the matmul like int8 on CUDA; emulated the same way on CPUs.
   int4  `W_int4` (N, K/2) uint8, two codes a byte (even k in the high nibble),
         `W_scale`, `W_zero` (N, K/group): w = (q - 8) * scale + zero, the layout
         of PyTorch's int4 "tinygemm" kernels (aten._weight_int4pack_mm on CUDA,
@@ -23,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantized_linear_names(args) -> list[str]:
@@ -44,6 +48,13 @@ def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
     return {"int8": q, "scale": scale}
+
+
+def quantize_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-output-channel scaled float8 (e4m3)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return {"fp8": (w / scale[:, None]).to(torch.float8_e4m3fn), "scale": scale}
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -80,8 +91,9 @@ def quantize_int4(w: torch.Tensor, groupsize: int, scale_dtype=torch.float32) ->
 
 def dequantize(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The weights a quantized entry stands for, in fp32 (for tests and evaluation)."""
-    if "int8" in parts:
-        return parts["int8"].float() * parts["scale"].float()[:, None]
+    if "int8" in parts or "fp8" in parts:
+        q = parts["int8"] if "int8" in parts else parts["fp8"]
+        return q.float() * parts["scale"].float()[:, None]
     codes = unpack_int4(parts["int4"]).float()
     n, k = codes.shape
     scale, zero = parts["scale"].float(), parts["zero"].float()
@@ -111,8 +123,12 @@ def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128):
         w = state.pop(name)
         # The output layer stays at 8 bits even in int4 mode (as llama.cpp's 4-bit
         # files keep it at 6-8): at 4 bits it alone raised SmolLM2's KL divergence 10x.
-        int8 = mode == "int8" or name == "output.weight"
-        parts = quantize_int8(w) if int8 else quantize_int4(w, groupsize, w.dtype)
+        if mode == "fp8":
+            parts = quantize_fp8(w)
+        elif mode == "int8" or name == "output.weight":
+            parts = quantize_int8(w)
+        else:
+            parts = quantize_int4(w, groupsize, w.dtype)
         for suffix, t in parts.items():  # scales and zeros are kept in fp32
             state[f"{name}_{suffix}"] = t.to(w.device)
     return args, state
@@ -120,7 +136,8 @@ def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128):
 
 def quantized_entries(state: dict, name: str) -> dict[str, torch.Tensor] | None:
     """The quantized parts stored for Linear weight `name`, or None if it is dense."""
-    for kind, suffixes in (("int8", ("int8", "scale")), ("int4", ("int4", "scale", "zero"))):
+    for kind, suffixes in (("int8", ("int8", "scale")), ("fp8", ("fp8", "scale")),
+                           ("int4", ("int4", "scale", "zero"))):
         if f"{name}_{kind}" in state:
             return {s: state[f"{name}_{s}"] for s in suffixes}
     return None
@@ -144,6 +161,19 @@ class Int8WeightOnlyLinear(nn.Module):
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+        return y if self.bias is None else y + self.bias
+
+
+class Fp8WeightOnlyLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.to(dtype))
+        self.bias = bias
+
+    def forward(self, x):
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scale
         return y if self.bias is None else y + self.bias
 
 
@@ -194,6 +224,8 @@ class Int4WeightOnlyLinear(nn.Module):
 def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> nn.Module:
     if "int8" in parts:
         return Int8WeightOnlyLinear(parts["int8"], parts["scale"], dtype, bias)
+    if "fp8" in parts:
+        return Fp8WeightOnlyLinear(parts["fp8"], parts["scale"], dtype, bias)
     return Int4WeightOnlyLinear(parts["int4"], parts["scale"].float(), parts["zero"].float(),
                                 in_features, dtype, bias)
 
@@ -201,8 +233,9 @@ def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bi
 def check_entries(name: str, parts: dict, shape: tuple) -> str | None:
     """Why the quantized parts for `name` do not fit a (N, K) weight, or None."""
     n, k = shape
-    if "int8" in parts:
-        ok = parts["int8"].shape == (n, k) and parts["scale"].shape == (n,)
+    if "int8" in parts or "fp8" in parts:
+        q = parts["int8"] if "int8" in parts else parts["fp8"]
+        ok = q.shape == (n, k) and parts["scale"].shape == (n,)
     else:
         q, s, z = parts["int4"], parts["scale"], parts["zero"]
         ok = (q.dim() == 2 and q.shape[0] == n and 2 * q.shape[1] >= k and s.shape == z.shape
