@@ -174,9 +174,10 @@ def cmd_generate(args):
         prof = (torch.profiler.profile(record_shapes=False) if profiling
                 else contextlib.nullcontext())
         with prof:
+            pieces = run()  # checks the request before the prompt is echoed
             if not args.preset and not args.quiet:
                 print(args.prompt if not args.chat else "", end="", flush=True)
-            for piece in run():
+            for piece in pieces:
                 show(piece)
         if not args.quiet and not args.preset:
             print()
