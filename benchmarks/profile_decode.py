@@ -78,7 +78,6 @@ def main():
     print(f"GPU kernel time per step (no graphs): {kernel_us:.0f} us; graph step wall time "
           f"{1e6 / rates[True]:.0f} us")
     print("\n| kernel | calls | total us (20 steps) | share |\n| --- | --- | --- | --- |")
-    total = sum(e.self_device_time_total for e in top)
     for e in top:
         print(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total:.0f} | "
               f"{e.self_device_time_total / (kernel_us * 20):.2f} |")

@@ -57,7 +57,6 @@ def read_ceiling_gb_s(device, gb=None, reps=20):
     bufs = [torch.rand(n, device=device) for _ in range(2)]
     turn = iter(range(10**9))
     seconds = _timed(device, lambda: bufs[next(turn) % 2].sum(), reps)
-    del bufs
     return n * 4 / seconds / 1e9
 
 

@@ -14,7 +14,7 @@ reuses the cache instead of re-reading the history).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch

@@ -1,6 +1,5 @@
 """`brisk bench` on the CPU: the harness runs end to end and its arithmetic is right."""
 import json
-import os
 import subprocess
 import sys
 

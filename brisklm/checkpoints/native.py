@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 from ..errors import BriskError
 from ..model import ModelArgs, canonical_names
 from ..tokenizer import Tokenizer
