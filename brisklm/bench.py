@@ -133,24 +133,18 @@ def startup_figures(argv: list[str]):
 
 
 def _to_hf_state_dict(args, state):
-    """Our canonical weights under Hugging Face names (split fused matrices)."""
+    """Our canonical weights under Hugging Face names (fused matrices split again)."""
+    from .checkpoints import hf_parts
     a = args
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    sizes = {"attention.wqkv": [q, kv, kv], "feed_forward.w13": [a.intermediate_size] * 2}
     out = {"model.embed_tokens.weight": state["tok_embeddings.weight"],
            "model.norm.weight": state["norm.weight"]}
-    if "output.weight" in state:
-        out["lm_head.weight"] = state["output.weight"]
-    for i in range(a.num_hidden_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        wq, wk, wv = state[p + "attention.wqkv.weight"].split([q, kv, kv])
-        gate, up = state[p + "feed_forward.w13.weight"].split(a.intermediate_size)
-        out.update({h + "self_attn.q_proj.weight": wq, h + "self_attn.k_proj.weight": wk,
-                    h + "self_attn.v_proj.weight": wv, h + "mlp.gate_proj.weight": gate,
-                    h + "mlp.up_proj.weight": up,
-                    h + "self_attn.o_proj.weight": state[p + "attention.wo.weight"],
-                    h + "mlp.down_proj.weight": state[p + "feed_forward.w2.weight"],
-                    h + "input_layernorm.weight": state[p + "attention_norm.weight"],
-                    h + "post_attention_layernorm.weight": state[p + "ffn_norm.weight"]})
+    for name, t in state.items():
+        if name.startswith("layers.") or name == "output.weight":
+            local = name.split(".", 2)[-1].rsplit(".", 1)[0]
+            parts = hf_parts(name)
+            out.update(zip(parts, t.split(sizes[local]) if len(parts) > 1 else [t]))
     return out
 
 

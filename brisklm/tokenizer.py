@@ -149,6 +149,7 @@ class SentencePieceBackend:
                     if self.sp.is_control(i) or self.sp.is_unknown(i)}
         specials = {k: v for k, v in specials.items() if k}
         self.specials = specials
+        self.special_ids = set(specials.values())
         self.split = (re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
                       if specials else None)
 
@@ -167,7 +168,7 @@ class SentencePieceBackend:
         # sentencepiece drops control tokens when decoding; render them as text.
         out, run = [], []
         for i in ids:
-            if i in self._special_ids:
+            if i in self.special_ids:
                 if run:
                     out.append(self.sp.decode(run))
                     run = []
@@ -177,10 +178,6 @@ class SentencePieceBackend:
         if run:
             out.append(self.sp.decode(run))
         return "".join(out)
-
-    @property
-    def _special_ids(self):
-        return set(self.specials.values())
 
     def token_id(self, text):
         i = self.sp.piece_to_id(text)
