@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from .kernels import gemv
+
 
 @dataclass
 class ModelArgs:
@@ -143,14 +145,27 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
+class Linear(nn.Linear):
+    """nn.Linear, except that one token on a GPU goes through our Triton GEMV
+    for the shapes where it measured faster than cuBLAS (kernels/gemv.py)."""
+
+    def forward(self, x):
+        if x.is_cuda and x.numel() == self.in_features and gemv.available(x.device) \
+                and gemv.beats_dense(self.out_features, self.in_features):
+            y = gemv.scaled_gemv(x.reshape(-1), self.weight).sum(0).to(x.dtype)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = (
             args.num_attention_heads, args.num_key_value_heads, args.head_dim)
         qkv_dim = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        self.wqkv = nn.Linear(args.hidden_size, qkv_dim, bias=args.attention_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+        self.wqkv = Linear(args.hidden_size, qkv_dim, bias=args.attention_bias)
+        self.wo = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x, cos, sin, mask, input_pos):
@@ -177,8 +192,8 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.intermediate_size = args.intermediate_size
-        self.w13 = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
@@ -205,7 +220,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_seq_length = 0
 
     def tie_weights(self):

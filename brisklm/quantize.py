@@ -6,17 +6,18 @@ reads it. Nothing is ever dequantized into a full-precision copy; the matrix
 kernels read the small integers:
 
   int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale.
-        CPU: aten._weight_int8pack_mm for one token. CUDA: F.linear over
-        q.to(dtype) times the scales, left to inductor to fuse; on the H200 it
-        did not (15 tokens/s for Llama-3.1-8B, benchmarks/RESULTS.md): a GEMV
-        kernel of our own is the quantization issue's next step.
   fp8   `W_fp8` (N, K) float8_e4m3fn and `W_scale` (N,): w = f * scale, the
-        scale mapping each row's largest magnitude to e4m3's 448. Converted
-        inside the matmul like int8 on CUDA; emulated the same way on CPUs.
+        scale mapping each row's largest magnitude to e4m3's 448.
   int4  `W_int4` (N, K/2) uint8, two codes a byte (even k in the high nibble),
-        `W_scale`, `W_zero` (N, K/group): w = (q - 8) * scale + zero, the layout
-        of PyTorch's int4 "tinygemm" kernels (aten._weight_int4pack_mm on CUDA,
-        aten._weight_int4pack_mm_for_cpu on CPU), packed for them at load.
+        `W_scale`, `W_zero` (N, K/group): w = (q - 8) * scale + zero, the
+        format of PyTorch's int4 "tinygemm" kernels.
+
+Kernels. One token on a GPU (decode): our Triton GEMVs (kernels/gemv.py) read
+the stored codes as they are, dequantizing in registers. Several tokens on a
+GPU (prefill): the weight is dequantized to the activation dtype inside the
+compiled graph and multiplied densely. CPU: aten._weight_int8pack_mm for one
+int8 token, aten._weight_int4pack_mm_for_cpu for int4 (packed at load), and
+dequantize-then-matmul otherwise (fp8 is emulated that way).
 
 GGUF Q4_0 and Q4_1 blocks are this int4 format with group 32 (Q4_1: scale d,
 zero m + 8d; Q4_0: scale d, zero 0), so such files load without a lossy round
@@ -27,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .kernels import gemv
 
 MODES = ("int8", "int4", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -158,9 +161,13 @@ class ScaledWeightOnlyLinear(nn.Module):
         self.bias = bias
 
     def forward(self, x):
-        if x.device.type == "cpu" and self.weight.dtype == torch.int8 and x.numel() == self.in_features:
-            # One token: the int8 GEMV kernel. Many (prefill): converting the
-            # weight once and using the dense matmul measured 3-30x faster.
+        one_token = x.numel() == self.in_features
+        if one_token and gemv.available(x.device):
+            partials = gemv.scaled_gemv(x.reshape(-1), self.weight)
+            y = (partials.sum(0) * self.scale.float()).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif one_token and x.device.type == "cpu" and self.weight.dtype == torch.int8:
+            # Many tokens (prefill): converting the weight once and using the
+            # dense matmul measured 3-30x faster than this kernel on the CPU.
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(1, -1), self.weight, self.scale)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
@@ -169,8 +176,9 @@ class ScaledWeightOnlyLinear(nn.Module):
 
 
 class Int4WeightOnlyLinear(nn.Module):
-    """tinygemm int4: codes packed for the device's kernel, scales and zeros in
-    one (K/group, N, 2) tensor as that kernel wants them."""
+    """Groupwise int4. Where the Triton GEMV runs (CUDA), the stored codes are
+    kept as they are; on CPUs they are repacked at load for tinygemm's CPU
+    kernel, which wants scales and zeros in one (K/group, N, 2) tensor."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features, dtype,
                  bias=None):
@@ -180,34 +188,37 @@ class Int4WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = in_features, n
         self.padded = k_padded
         self.groupsize = k_padded // scale.shape[1]
-        device = packed.device
-        if device.type == "cuda":
-            if dtype != torch.bfloat16:
-                raise ValueError("int4 on CUDA needs bfloat16 activations (the tinygemm kernel)")
-            # tinygemm wants K in multiples of inner_k_tiles * 16 = 128: add whole
-            # groups of zeros (the padded inputs are zeros too, so they add nothing).
-            extra = -k_padded % 128
-            if extra:
-                packed = F.pad(packed, (0, extra // 2))
-                scale, zero = (F.pad(t, (0, extra // self.groupsize)) for t in (scale, zero))
-                self.padded = k_padded = k_padded + extra
-            weight = torch.ops.aten._convert_weight_to_int4pack(packed.contiguous(), 8)
+        self.triton = gemv.available(packed.device)
+        if self.triton:
+            self.register_buffer("packed", packed.contiguous())
+            self.register_buffer("scale", scale.to(dtype).contiguous())
+            self.register_buffer("zero", zero.to(dtype).contiguous())
         else:
             weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed), 1)
-        self.register_buffer("weight", weight)
-        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # (K/g, N, 2)
-        self.register_buffer("scales_and_zeros", sz.to(dtype))
+            self.register_buffer("weight", weight)
+            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # (K/g, N, 2)
+            self.register_buffer("scales_and_zeros", sz.to(dtype))
+
+    def dense_weight(self, dtype):
+        """The (N, K) weights in `dtype`, for prefill (inductor fuses this into one kernel)."""
+        codes = torch.stack([self.packed >> 4, self.packed & 15], dim=-1).reshape(self.out_features, -1, self.groupsize)
+        w = (codes.to(dtype) - 8) * self.scale[..., None] + self.zero[..., None]
+        return w.reshape(self.out_features, -1)[:, :self.in_features]
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.padded != self.in_features:
-            x = F.pad(x, (0, self.padded - self.in_features))
-        if x.device.type == "cpu":
+        if self.triton and x.shape[0] == 1:
+            if self.padded != self.in_features:
+                x = F.pad(x, (0, self.padded - self.in_features))
+            y = gemv.int4_gemv(x.reshape(-1), self.packed, self.scale, self.zero).sum(0).to(x.dtype)
+        elif self.triton:
+            y = F.linear(x, self.dense_weight(x.dtype))
+        else:
+            if self.padded != self.in_features:
+                x = F.pad(x, (0, self.padded - self.in_features))
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.groupsize,
                                                            self.scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm(x, self.weight, self.groupsize, self.scales_and_zeros)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

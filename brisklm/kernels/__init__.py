@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU decode path (see gemv.py)."""

@@ -1,0 +1,203 @@
+"""Batch-1 GEMVs with the dequantization fused, in Triton (CUDA only).
+
+At one token a Linear is y = W x: every weight byte is read once and used
+once, so the kernel's whole job is to stream W at the memory's speed and
+spend few instructions per byte. Each program owns BLOCK_N output rows and
+one of SPLIT_K slices of K; it loads 16-byte vectors along K (rows are
+contiguous there), widens them to fp32 and keeps a (BLOCK_N, BLOCK_K) tile of
+running products, reduced once at the end. The kernels return fp32 partial
+sums (SPLIT_K, N): the caller's `.sum(0) * scale`, and whatever follows, is
+fused by inductor into the next elementwise kernel instead of a launch of
+its own.
+
+  scaled_gemv: int8, float8_e4m3fn or dense weights (N, K); the per-row scale
+               is applied by the caller.
+  int4_gemv:   codes packed two to a byte (N, K/2), even k in the high
+               nibble, scale and zero per group of G inputs:
+               w = (q - 8) * s + z, so  y = sum_g s_g (x_g . q_g) + (z_g - 8 s_g) sum(x_g).
+               The zero term needs only the per-group sums of x, shared by all
+               rows, so the per-weight work is a widen and one FMA.
+
+Block sizes come from `config`, chosen by measurement on an H200
+(benchmarks/gemv_sweep.py). The same launchers run under TRITON_INTERPRET=1
+on CPU tensors, which is how the tests check the math without a GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the modules fall back to torch ops
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton GEMVs can run for tensors on `device`."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Block sizes (BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per weight element size in
+# bits, where the measured table (gemv_tuned.json, written by
+# benchmarks/gemv_sweep.py for a device) has no entry. BLOCK_K counts codes.
+DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8)}
+TUNED_FILE = os.path.join(os.path.dirname(__file__), "gemv_tuned.json")
+_tuned: dict | None = None
+
+
+def tuned() -> dict:
+    """The measured table for this process's GPU: "bits:N:K" -> entry."""
+    global _tuned
+    if _tuned is None:
+        table = {}
+        if os.path.exists(TUNED_FILE) and torch.cuda.is_available():
+            with open(TUNED_FILE) as f:
+                table = json.load(f).get(torch.cuda.get_device_name(), {})
+        _tuned = table
+    return _tuned
+
+
+def config(bits: int, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
+    entry = tuned().get(f"{bits}:{n}:{k}")
+    block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
+    # Blocks tile K exactly where they can (no masks along K), and hold whole groups.
+    while block_k > max(group or 1, 32) and k % block_k:
+        block_k //= 2
+    while split_k > 1 and k % (split_k * block_k):
+        split_k -= 1
+    return block_n, block_k, split_k, warps
+
+
+def beats_dense(n: int, k: int) -> bool:
+    """Whether our bf16 GEMV measured faster than cuBLAS for this shape here."""
+    entry = tuned().get(f"16:{n}:{k}")
+    return bool(entry and entry.get("us", 1e9) < entry.get("cublas_us", 0))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scaled_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        for i in range(0, K_PER_SPLIT, BLOCK_K):
+            k = k_start + i + cols
+            if EVEN_K:
+                x = tl.load(x_ptr + k)
+                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None])
+            else:
+                k_ok = k < K
+                x = tl.load(x_ptr + k, mask=k_ok, other=0)
+                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
+                w = tl.where(k_ok[None, :], w.to(tl.float32), 0.0)  # masked lanes are undefined
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # A block covers BLOCK_K codes = GROUPS groups of GROUP codes = BLOCK_K/2 bytes.
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        HALF: tl.constexpr = GROUP // 2
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n_groups = K // GROUP
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 2)
+        g_off = tl.arange(0, GROUPS)
+        b_off = g_off[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (GROUPS, HALF) bytes
+        acc = tl.zeros((BLOCK_N, GROUPS, HALF), dtype=tl.float32)
+        acc_zero = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        for i in range(0, K_PER_SPLIT, BLOCK_K):
+            k0 = k_start + i
+            packed = tl.load(w_rows + (k0 // 2 + b_off)[None, :, :], mask=row_ok[:, None, None], other=0)
+            x = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            x_even, x_odd = tl.split(tl.reshape(x, (GROUPS, HALF, 2)))
+            groups = k0 // GROUP + g_off
+            sz = rows[:, None] * n_groups + groups[None, :]
+            s = tl.load(s_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
+            hi = (packed >> 4).to(tl.float32)
+            lo = (packed & 15).to(tl.float32)
+            acc += (hi * x_even[None, :, :] + lo * x_odd[None, :, :]) * s[:, :, None]
+            acc_zero += (z - 8 * s) * tl.sum(x_even + x_odd, axis=1)[None, :]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc_zero, axis=1)
+        tl.store(out_ptr + pid_k * N + rows, y, mask=row_ok)
+
+
+def _launch_scaled(x, w, launch):
+    n, k = w.shape
+    bits = w.element_size() * 8
+    block_n, block_k, split_k, warps = config(bits, n, k)
+    out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    grid = (triton.cdiv(n, block_n), split_k)
+    launch(_scaled_gemv_kernel)[grid](x, w, out, n, k, k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
+                                      EVEN_K=k % block_k == 0 and k_per_split * split_k == k,
+                                      num_warps=warps)
+    return out
+
+
+def _launch_int4(x, packed, scale, zero, launch):
+    n, k = packed.shape[0], packed.shape[1] * 2
+    group = k // scale.shape[1]
+    block_n, block_k, split_k, warps = config(4, n, k, group)
+    out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, block_n), split_k)
+    launch(_int4_gemv_kernel)[grid](x, packed, scale, zero, out, n, k, k // split_k, GROUP=group,
+                                    BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def _direct(kernel):
+    return kernel
+
+
+def scaled_gemv_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(SPLIT_K, N) fp32 partial sums of w @ x for a (K,) vector x, launched directly."""
+    return _launch_scaled(x.contiguous(), w, _direct)
+
+
+def int4_gemv_partials(x, packed, scale, zero) -> torch.Tensor:
+    """(SPLIT_K, N) fp32 partial sums of the int4 weights times a (K,) vector x."""
+    return _launch_int4(x.contiguous(), packed, scale, zero, _direct)
+
+
+if triton is not None and hasattr(torch.library, "triton_op"):
+    # As custom ops, inductor sees through them into the Triton kernels and
+    # keeps them inside the compiled step's CUDA graph.
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("brisklm::scaled_gemv", mutates_args={})
+    def _scaled_gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _launch_scaled(x, w, wrap_triton)
+
+    @triton_op("brisklm::int4_gemv", mutates_args={})
+    def _int4_gemv_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                      zero: torch.Tensor) -> torch.Tensor:
+        return _launch_int4(x, packed, scale, zero, wrap_triton)
+
+    def scaled_gemv(x, w):
+        return _scaled_gemv_op(x.contiguous(), w) if x.is_cuda else scaled_gemv_partials(x, w)
+
+    def int4_gemv(x, packed, scale, zero):
+        if x.is_cuda:
+            return _int4_gemv_op(x.contiguous(), packed, scale, zero)
+        return int4_gemv_partials(x, packed, scale, zero)
+else:
+    scaled_gemv, int4_gemv = scaled_gemv_partials, int4_gemv_partials
