@@ -123,8 +123,10 @@ def read_ceiling_gbs() -> float:
 
 CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_K in codes
     16: [(4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (2, 2048, 4), (32, 256, 4)],
-    8: [(8, 1024, 4), (16, 1024, 4), (16, 512, 4), (32, 512, 8), (8, 2048, 8), (32, 1024, 8), (4, 2048, 4)],
-    4: [(16, 1024, 4), (32, 1024, 8), (16, 2048, 8), (8, 2048, 4), (32, 512, 4), (64, 512, 8), (64, 1024, 8)],
+    8: [(8, 1024, 4), (16, 1024, 4), (16, 512, 4), (32, 512, 8), (8, 2048, 4), (4, 2048, 4), (16, 2048, 8),
+        (4, 4096, 4)],
+    4: [(16, 1024, 4), (32, 1024, 4), (32, 1024, 8), (16, 2048, 4), (8, 2048, 4), (64, 512, 8), (32, 2048, 8),
+        (8, 4096, 4)],
 }
 
 
@@ -180,7 +182,7 @@ def write_table(table):
             data = json.load(f)
     except FileNotFoundError:
         data = {}
-    data[name] = table
+    data.setdefault(name, {}).update(table)  # a sweep of some kinds keeps the others
     with open(gemv.TUNED_FILE, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     print(f"wrote {len(table)} entries for {name} to {gemv.TUNED_FILE}", flush=True)
