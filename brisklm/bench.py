@@ -230,7 +230,7 @@ def run(opts) -> dict:
                compile=opts.compile, compile_prefill=opts.compile_prefill,
                compile_options=opts.compile_options, max_seq_length=longest, quiet=False,
                quantize=opts.quantize, groupsize=opts.groupsize)
-    dtype = llm.model.tok_embeddings.weight.dtype
+    dtype = llm.model.norm.weight.dtype
     ceiling = result["read_ceiling_gb_s"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

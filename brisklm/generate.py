@@ -53,7 +53,9 @@ def weight_bytes_per_token(model: Transformer) -> int:
         else:
             total += p.numel() * p.element_size()
     for name, b in model.named_buffers():  # quantized weights live in buffers
-        if "kv_cache" not in name and not name.startswith("rope_"):
+        if name.startswith("tok_embeddings."):  # one row
+            total += b[0].numel() * b.element_size()
+        elif "kv_cache" not in name and not name.startswith("rope_"):
             total += b.numel() * b.element_size()
     return total
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .model import build_model
-from .quantize import dequantize, pack_int4, quantize_int8
+from .quantize import dequantize, pack_int4, quantize_embedding, quantize_int8
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtype,
@@ -109,7 +109,7 @@ def gptq_quantize_state_dict(args, state: dict, calibration: list[list[int]], gr
         out["output.weight"] = state["tok_embeddings.weight"]
         args = replace(args, tie_word_embeddings=False)
     out.update({f"output.weight_{s}": t for s, t in quantize_int8(out.pop("output.weight")).items()})
-    return args, out
+    return args, quantize_embedding(out)
 
 
 def calibration_ids(tokenizer, sequences: int = 8, length: int = 256) -> list[list[int]]:

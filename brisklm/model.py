@@ -229,9 +229,7 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         """Allocate the KV cache and the RoPE tables for up to max_seq_length positions."""
-        weight = self.tok_embeddings.weight
-        dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
-        device = weight.device
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device  # the activations'
         a = self.args
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
@@ -312,8 +310,8 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transfo
     The module is created on the meta device and the tensors assigned, so the
     weights exist once, wherever the reader put them. A Linear whose weight
     comes quantized (quantize.py's `W_int8` / `W_int4` entries) becomes the
-    module that reads those integers."""
-    from .quantize import check_entries, quantized_entries, quantized_linear
+    module that reads those integers; so does an int8 embedding table."""
+    from .quantize import Int8Embedding, check_entries, quantized_entries, quantized_linear
     expected = canonical_names(args)
     quantized = {}
     for name, shape in expected.items():
@@ -336,8 +334,11 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transfo
     model.load_state_dict({n: state_dict[n] for n in expected if n in state_dict},
                           strict=False, assign=True)
     model.tie_weights()
-    dtype = model.tok_embeddings.weight.dtype
+    dtype = model.norm.weight.dtype
     for name, parts in quantized.items():
+        if name == "tok_embeddings.weight":
+            model.tok_embeddings = Int8Embedding(parts["int8"], parts["scale"], dtype)
+            continue
         path, _ = name.rsplit(".", 1)  # "layers.3.attention.wqkv"
         parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
         parent = model.get_submodule(parent_path)

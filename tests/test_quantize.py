@@ -161,3 +161,26 @@ def test_gptq_beats_rtn_at_the_same_group_size(smollm2_gguf):
     r_ppl, _, r_kl = perplexity_and_kl(build_model(rargs, rstate), dense, ids, window=256)
     assert g_ppl < r_ppl and g_kl < r_kl
     assert gstate.keys() == rstate.keys()  # the same int4 format, loadable alike
+
+
+def test_embedding_is_int8_and_reproduces_q8_0_blocks(smollm2_gguf):
+    """Quantized models keep the embedding as int8 with a scale per 32 values of
+    a row: memory, not speed (a decode step reads one row). SmolLM2's embedding
+    is GGUF Q8_0, the same layout, so requantizing it recovers its values."""
+    from brisklm.generate import weight_bytes_per_token
+    from brisklm.quantize import Int8Embedding
+    ckpt = load(smollm2_gguf, dtype=torch.float32)
+    dense = ckpt.state_dict["tok_embeddings.weight"]
+    args, state = quantize_state_dict(ckpt.args, ckpt.state_dict, "int8")
+    q, scale = state["tok_embeddings.weight_int8"], state["tok_embeddings.weight_scale"]
+    assert q.dtype == torch.int8 and scale.shape == (dense.shape[0], dense.shape[1] // 32)
+    restored = dequantize(quantized_entries(state, "tok_embeddings.weight"))
+    assert torch.allclose(restored, dense, rtol=1e-6, atol=1e-7)
+    model = build_model(args, state)
+    assert isinstance(model.tok_embeddings, Int8Embedding)
+    ids = torch.tensor([[0, 5, 49151]])
+    assert torch.allclose(model.tok_embeddings(ids), dense[ids], rtol=1e-6, atol=1e-7)
+    # one row of the table counts as read per token, not the table
+    table = q.numel() + scale.numel() * 4
+    assert weight_bytes_per_token(model) < sum(
+        t.numel() * t.element_size() for n, t in state.items()) - table + 2 * q.shape[1] * 4
