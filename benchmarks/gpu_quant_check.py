@@ -9,9 +9,10 @@ over a 5-token prompt and one decode token:
   - eager: the quantized model, decode through our Triton GEMVs;
   - compiled: the same under torch.compile (inductor inlines the kernels).
 It prints the relative L2 difference of the decode logits, dense vs eager and
-eager vs compiled. Bound: 2e-2 (bf16 activations round at 3.9e-3 per
-operation and differences compound over the layers); the dense bf16 model
-against itself under torch.compile is printed for scale.
+eager vs compiled. Bound: 5e-2. bf16 activations round at 3.9e-3 per
+operation and the differences compound over the layers (the dense bf16 model
+against itself under torch.compile is printed for scale); a wrong kernel
+gives differences of order 1.
 """
 from __future__ import annotations
 
@@ -20,17 +21,18 @@ from dataclasses import replace
 
 import torch
 
-from brisklm.model import build_model, random_state_dict
+from brisklm.model import build_model, canonical_names, random_state_dict
 from brisklm.presets import preset
 from brisklm.quantize import dequantize, quantize_state_dict, quantized_entries
 
 
-def dense_copy(state):
-    dense = {}
+def dense_copy(args, state):
+    shapes, dense = canonical_names(args), {}
     for name, t in state.items():
         base, _, suffix = name.rpartition("_")
         if suffix in ("int4", "int8", "fp8"):
-            dense[base] = dequantize(quantized_entries(state, base)).to(torch.bfloat16)
+            w = dequantize(quantized_entries(state, base))
+            dense[base] = w[:, :shapes[base][1]].to(torch.bfloat16)  # int4 pads K to whole groups
         elif suffix not in ("scale", "zero"):
             dense[name] = t
     return dense
@@ -66,7 +68,7 @@ def main():
     for mode, group in (("int8", None), ("fp8", None), ("int4", 128), ("int4", 32)):
         qargs, qstate = quantize_state_dict(args, state, mode, group or 128)
         qmodel = build_model(qargs, qstate)
-        dmodel = build_model(qargs, dense_copy(qstate))
+        dmodel = build_model(qargs, dense_copy(qargs, qstate))
         d = decode_logits(dmodel, dmodel, prompt)
         e = decode_logits(qmodel, qmodel, prompt)
         torch._dynamo.reset()
@@ -75,11 +77,11 @@ def main():
         print(rows[-1], flush=True)
     where = torch.cuda.get_device_name() if opts.device == "cuda" else opts.device
     print(f"\n{where}, torch {torch.__version__}, {opts.preset} shapes, "
-          f"{opts.layers} layers; relative L2 difference of decode logits (bound 2e-2)")
+          f"{opts.layers} layers; relative L2 difference of decode logits (bound 5e-2)")
     print("| mode | dequantized dense vs eager | eager vs compiled |\n| --- | --- | --- |")
     ok = True
     for mode, de, ec in rows:
-        ok &= (de == "" or de < 2e-2) and ec < 2e-2
+        ok &= (de == "" or de < 5e-2) and ec < 5e-2
         print(f"| {mode} | {de if de == '' else f'{de:.2e}'} | {ec:.2e} |")
     print("all within bound" if ok else "FAILED")
 
