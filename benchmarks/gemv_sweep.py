@@ -63,11 +63,23 @@ def make(kind: str, w: torch.Tensor):
         raw = lambda x: gemv.scaled_gemv(x, q)  # noqa: E731
         return (lambda x: raw(x).sum(0) * s), raw, dequantize(parts).double(), q.numel() + s.numel() * 2
     group = int(kind.split("g")[1])
+    if kind.startswith("int8"):  # a fp16 scale per group: GGUF Q8_0
+        groups = w.reshape(w.shape[0], -1, group)
+        s = (groups.abs().amax(-1) / 127).half()
+        q = torch.round(groups / s.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(w.shape)
+        ref = (q.float().reshape(groups.shape) * s.float()[..., None]).reshape(w.shape)
+        raw = lambda x: gemv.int8_group_gemv(x, q, s)  # noqa: E731
+        return (lambda x: raw(x).sum(0)), raw, ref.double(), q.numel() + 2 * s.numel()
     parts = quantize_int4(w, group, torch.bfloat16)
     p, s, z = parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16()
     ref = dequantize({"int4": p, "scale": s.float(), "zero": z.float()})
     raw = lambda x: gemv.int4_gemv(x, p, s, z)  # noqa: E731
     return (lambda x: raw(x).sum(0)), raw, ref.double(), p.numel() + 4 * s.numel()
+
+
+def width_key(kind: str):
+    """The key gemv.config files a kind under: bits per weight, "8g" for grouped int8."""
+    return {"bf16": 16, "int8": 8, "fp8": 8, "int8-g32": "8g"}.get(kind, 4)
 
 
 def check_correctness(kinds) -> list[str]:
@@ -77,7 +89,7 @@ def check_correctness(kinds) -> list[str]:
         w = torch.randn(n, k, device="cuda") * 0.02
         x = torch.randn(k, device="cuda").to(torch.bfloat16)
         for kind in kinds:
-            if kind.startswith("int4") and k % int(kind.split("g")[1]):
+            if "-g" in kind and k % int(kind.split("g")[1]):
                 continue
             fn, _, ref_w, _ = make(kind, w)
             ref = ref_w @ x.double()
@@ -122,6 +134,7 @@ def read_ceiling_gbs() -> float:
 
 
 CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_K in codes
+    "8g": [(16, 512, 4), (32, 512, 4), (32, 512, 8), (16, 1024, 4), (8, 1024, 4), (64, 256, 8)],
     16: [(4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (2, 2048, 4), (32, 256, 4)],
     8: [(8, 1024, 4), (16, 1024, 4), (16, 512, 4), (32, 512, 8), (8, 2048, 4), (4, 2048, 4), (16, 2048, 8),
         (4, 4096, 4)],
@@ -131,7 +144,7 @@ CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_K in codes
 
 
 def sweep(kind: str, n: int, k: int, candidates=None, copies_bytes=6e8):
-    bits = {"bf16": 16, "int8": 8, "fp8": 8}.get(kind, 4)
+    bits = width_key(kind)
     w = torch.randn(n, k, device="cuda") * 0.02
     _, fn, _, nbytes = make(kind, w)
     del w
@@ -144,7 +157,7 @@ def sweep(kind: str, n: int, k: int, candidates=None, copies_bytes=6e8):
         candidates = [(bn, bk, sp, wp) for bn, bk, wp in CANDIDATES[bits] for sp in splits]
     for cfg in candidates:
         gemv._tuned = {f"{bits}:{n}:{k}": {"config": cfg}}
-        if gemv.config(bits, n, k, 128 if bits == 4 else None) != cfg:
+        if gemv.config(bits, n, k, {4: 128, "8g": 32}.get(bits)) != cfg:
             continue  # adjusted to fit K: measured under its own entry
         try:
             us = time_us([lambda f=f: f(x) for f in fns])
@@ -195,14 +208,14 @@ def main():
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     opts = ap.parse_args()
     t0 = time.time()
-    lines = check_correctness(["bf16", "int8", "fp8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"])
+    lines = check_correctness(["bf16", "int8", "fp8", "int8-g32", "int4-g32", "int4-g64", "int4-g128", "int4-g256"])
     print("\n".join(lines), flush=True)
     print(f"correctness checked in {time.time() - t0:.0f} s", flush=True)
     ceiling = read_ceiling_gbs()
     shapes = model_shapes(preset("llama-3.1-8b"))
     table, rows = {}, []
     for kind in opts.kinds.split(","):
-        bits = {"bf16": 16, "int8": 8, "fp8": 8}.get(kind, 4)
+        bits = width_key(kind)
         for name, (n, k) in shapes.items():
             # fp8 runs at int8's best blocks (same bytes; only the widening differs)
             # and int4 g64 at g128's: the table is keyed by width and shape

@@ -65,12 +65,16 @@ def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="mod
     """Apply a quantization mode to a loaded canonical state dict -> (args, state).
 
     "gguf" / "auto" expect the reader to have kept a GGUF file's Q4 blocks
-    (checkpoints.load(keep_gguf_int4=True)); the others quantize here."""
-    kept = sum(k.endswith("_int4") for k in state)
-    if mode == "gguf" and not kept:
-        raise BriskError(f"{name}: quantization 'gguf' needs a GGUF file with Q4_0/Q4_1 matrices")
-    if kept and mode in ("gguf", "auto"):
-        log(f"Kept {kept} GGUF Q4 matrices as int4 (--quantize none to dequantize them)", quiet)
+    (checkpoints.load(keep_gguf_blocks=True)); the others quantize here."""
+    int4 = sum(k.endswith("_int4") for k in state)
+    q8 = sum(k.endswith("_int8") and state[k[:-5] + "_scale"].dim() == 2 for k in state
+             if not k.startswith("tok_embeddings"))
+    if mode == "gguf" and not int4 + q8:
+        raise BriskError(f"{name}: quantization 'gguf' needs a GGUF file with Q4_0/Q4_1 (or, on a GPU, "
+                         f"Q8_0) matrices")
+    if int4 + q8 and mode in ("gguf", "auto"):
+        log(f"Kept {int4} int4 and {q8} grouped int8 (Q8_0) matrices as stored "
+            f"(--quantize none to dequantize them)", quiet)
     progress = None if quiet else _progress_bar
     try:
         if mode == "int4-gptq":
@@ -226,7 +230,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype})...", quiet)
         ckpt = load_checkpoint(path, device=device, dtype=dtype,
                                progress=None if quiet else _progress_bar,
-                               keep_gguf_int4=quantize in ("gguf", "auto"))
+                               keep_gguf_blocks=quantize in ("gguf", "auto"))
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
     args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
     model = build_model(args, state)

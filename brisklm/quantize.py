@@ -5,7 +5,8 @@ the Linear's name with a suffix, and `build_model` swaps in the module that
 reads it. Nothing is ever dequantized into a full-precision copy; the matrix
 kernels read the small integers:
 
-  int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale.
+  int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale; or `W_scale`
+        (N, K/group): a scale per group of inputs (GGUF Q8_0, the embedding).
   fp8   `W_fp8` (N, K) float8_e4m3fn and `W_scale` (N,): w = f * scale, the
         scale mapping each row's largest magnitude to e4m3's 448.
   int4  `W_int4` (N, K/2) uint8, two codes a byte (even k in the high nibble),
@@ -193,6 +194,27 @@ class ScaledWeightOnlyLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class GroupedInt8Linear(nn.Module):
+    """int8 weights with a scale per group of inputs: GGUF Q8_0 blocks (groups
+    of 32, fp16 scales) kept as they are where the Triton GEMV runs."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale.to(torch.float16))  # Q8_0's own precision
+        self.bias = bias
+
+    def forward(self, x):
+        if x.numel() == self.in_features and gemv.available(x.device):
+            y = gemv.int8_group_gemv(x.reshape(-1), self.weight, self.scale).sum(0).to(x.dtype)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            w = self.weight.reshape(self.out_features, self.scale.shape[1], -1).to(x.dtype)
+            y = F.linear(x, (w * self.scale[..., None].to(x.dtype)).reshape(self.weight.shape))
+        return y if self.bias is None else y + self.bias
+
+
 class Int4WeightOnlyLinear(nn.Module):
     """Groupwise int4. Where the Triton GEMV runs (CUDA), the stored codes are
     kept as they are; on CPUs they are repacked at load for tinygemm's CPU
@@ -257,6 +279,8 @@ class Int8Embedding(nn.Module):
 
 
 def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> nn.Module:
+    if "int8" in parts and parts["scale"].dim() == 2:
+        return GroupedInt8Linear(parts["int8"], parts["scale"], bias)
     if "int8" in parts or "fp8" in parts:
         weight = parts["int8"] if "int8" in parts else parts["fp8"]
         return ScaledWeightOnlyLinear(weight, parts["scale"], dtype, bias)
@@ -269,9 +293,9 @@ def check_entries(name: str, parts: dict, shape: tuple) -> str | None:
     n, k = shape
     if "int8" in parts or "fp8" in parts:
         q, scale = parts["int8"] if "int8" in parts else parts["fp8"], parts["scale"]
-        ok = q.shape == (n, k) and scale.shape == (n,)
-        if name == "tok_embeddings.weight":  # a scale per group of each row
-            ok = q.shape == (n, k) and scale.dim() == 2 and scale.shape[0] == n and k % scale.shape[1] == 0
+        per_group = ("int8" in parts and scale.dim() == 2 and scale.shape[0] == n and k % scale.shape[1] == 0
+                     and k // scale.shape[1] in (32, 64, 128, 256))  # GGUF Q8_0, the embedding
+        ok = q.shape == (n, k) and (scale.shape == (n,) or per_group)
     else:
         q, s, z = parts["int4"], parts["scale"], parts["zero"]
         ok = (q.dim() == 2 and q.shape[0] == n and 2 * q.shape[1] >= k and s.shape == z.shape

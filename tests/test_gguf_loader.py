@@ -104,12 +104,11 @@ def test_gguf_model_matches_transformers_logits(tmp_path, hf_model):
         assert (ours(ids, torch.arange(12)) - model(ids).logits).abs().max() <= 1e-4
 
 
-def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf_model):
-    """Q8_0 blocks read back as gguf.quants.dequantize gives them (no hand-written decoder)."""
-    model, tied = hf_model
+def write_q8_0_copy(tmp_path, model, tied, suffixes=("ffn_down.weight",)):
+    """The model's GGUF rewritten with the named tensors quantized to Q8_0 by the
+    gguf library -> (path, {tensor name: the values it dequantizes to})."""
     write_gguf(model, tmp_path / "m.gguf", tied=tied)
     reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
-    # Re-write with the MLP down projections quantized to Q8_0 by the gguf library.
     w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
@@ -121,7 +120,7 @@ def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf
     expected = {}
     for t in reader.tensors:
         data = np.array(t.data)
-        if t.name.endswith("ffn_down.weight"):
+        if t.name.endswith(suffixes):
             q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             expected[t.name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
@@ -131,8 +130,43 @@ def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ckpt = load(str(tmp_path / "q.gguf"), dtype=torch.float32)
+    return str(tmp_path / "q.gguf"), expected
+
+
+def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf_model):
+    """Q8_0 blocks read back as gguf.quants.dequantize gives them (no hand-written decoder)."""
+    model, tied = hf_model
+    path, expected = write_q8_0_copy(tmp_path, model, tied)
+    ckpt = load(path, dtype=torch.float32)
     for name, values in expected.items():
         layer = name.split(".")[1]
         got = ckpt.state_dict[f"layers.{layer}.feed_forward.w2.weight"]
         assert torch.equal(got, torch.from_numpy(values))
+
+
+def test_q8_0_matrices_are_kept_as_grouped_int8_where_our_gemv_runs(tmp_path, hf_model, monkeypatch):
+    """Where the Triton GEMV runs (CUDA), Q8_0 matrices stay int8 with their
+    fp16 scale per 32 inputs: exactly the values the gguf library decodes, q/k
+    rows un-permuted like the dense ones. (On CPUs they are dequantized; the
+    kernel itself is checked in test_kernels.py.)"""
+    from brisklm.kernels import gemv
+    from brisklm.quantize import GroupedInt8Linear, dequantize, quantized_entries
+    model, tied = hf_model
+    path, _ = write_q8_0_copy(tmp_path, model, tied, ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                       "ffn_down.weight"))
+    dense = load(path, dtype=torch.float32)
+    monkeypatch.setattr(gemv, "available", lambda device: True)
+    kept = load(path, dtype=torch.float32, keep_gguf_blocks=True)
+    monkeypatch.undo()  # run the model on the CPU path below
+    for name in ("layers.1.attention.wqkv.weight", "layers.0.feed_forward.w2.weight"):
+        parts = quantized_entries(kept.state_dict, name)
+        assert parts["int8"].dtype == torch.int8 and parts["scale"].shape[1] == parts["int8"].shape[1] // 32
+        assert torch.equal(dequantize(parts), dense.state_dict[name])
+    ours = build_model(kept.args, kept.state_dict)
+    assert isinstance(ours.layers[0].feed_forward.w2, GroupedInt8Linear)
+    ref = build_model(dense.args, dense.state_dict)
+    ids = torch.tensor([[1, 7, 42, 3]])
+    for m in (ours, ref):
+        m.setup_caches(1, 16)
+    with torch.no_grad():
+        assert torch.allclose(ours(ids, torch.arange(4)), ref(ids, torch.arange(4)), rtol=1e-5, atol=1e-5)

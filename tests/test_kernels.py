@@ -33,8 +33,17 @@ for n, k in SHAPES:
     x = torch.randn(k).to(torch.bfloat16)
     cases = [("bf16", None), ("int8", quantize_int8(w)), ("fp8", quantize_fp8(w))]
     cases += [(f"int4-g{g}", quantize_int4(w, g, torch.bfloat16)) for g in (32, 64, 128, 256) if k >= g]
+    if k % 32 == 0:  # int8 with an fp16 scale per 32 inputs: GGUF Q8_0
+        groups = w.reshape(n, -1, 32)
+        scale = (groups.abs().amax(-1) / 127).half()
+        q = torch.round(groups / scale.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+        cases.append(("int8-g32", {"q8": q, "scale": scale}))
     for name, parts in cases:
-        if parts is None:
+        if parts is not None and "q8" in parts:
+            q, scale = parts["q8"], parts["scale"]
+            ref = (q.double().reshape(n, -1, 32) * scale.double()[..., None]).reshape(n, k) @ x.double()
+            y = gemv.int8_group_gemv(x, q, scale).sum(0).double()
+        elif parts is None:
             wb = w.to(torch.bfloat16)
             ref, y = wb.double() @ x.double(), gemv.scaled_gemv(x, wb).sum(0).double()
         elif "int4" in parts:

@@ -72,7 +72,7 @@ def test_quantized_model_with_attention_bias_matches_its_dequantized_weights():
 def test_gguf_q4_blocks_are_kept_exactly(smollm2_gguf):
     """The int4 entries stand for exactly the values the gguf library dequantizes."""
     dense = load(smollm2_gguf, dtype=torch.float32)
-    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_int4=True)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks=True)
     names = [n for n in dense.state_dict if n.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight"))]
     assert len(names) == 4 * 30
     for name in names:
@@ -84,7 +84,7 @@ def test_gguf_native_logits_equal_the_dequantized_model(smollm2_gguf):
     """Bound: with fp32 scales and zeros the int4 kernel differs from a dense matmul
     over the same dequantized weights only in summation order: <= 1e-5 relative."""
     dense = load(smollm2_gguf, dtype=torch.float32)
-    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_int4=True)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks=True)
     a, b = build_model(dense.args, dense.state_dict), build_model(kept.args, kept.state_dict)
     ids = torch.tensor([dense.tokenizer.encode("def fibonacci(n):\n    return n if n < 2 else")])
     for m in (a, b):
@@ -121,7 +121,7 @@ def test_quantized_quality_bounds(smollm2_gguf, mode, groupsize, dtype, max_ppl_
 def test_gguf_native_quality_in_bf16(smollm2_gguf):
     """In bf16 the int4 kernel rounds scales and zeros to bf16: measured +0.45%, KL 0.002."""
     ckpt = load(smollm2_gguf, dtype=torch.bfloat16)
-    kept = load(smollm2_gguf, dtype=torch.bfloat16, keep_gguf_int4=True)
+    kept = load(smollm2_gguf, dtype=torch.bfloat16, keep_gguf_blocks=True)
     ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
     ppl, ppl_ref, kl = perplexity_and_kl(build_model(kept.args, kept.state_dict),
                                          build_model(ckpt.args, ckpt.state_dict), ids, window=256)

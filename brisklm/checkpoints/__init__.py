@@ -26,12 +26,13 @@ class Checkpoint:
 
 
 def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=None,
-         keep_gguf_int4: bool = False) -> Checkpoint:
+         keep_gguf_blocks: bool = False) -> Checkpoint:
     """Read a checkpoint, placing each tensor on device in dtype as it is read.
 
     progress, if given, is called as progress(done, total) while tensors load.
-    keep_gguf_int4 keeps a GGUF file's Q4_0/Q4_1 matrices as int4 entries
-    (quantize.py's format) instead of dequantizing them."""
+    keep_gguf_blocks keeps a GGUF file's Q4_0/Q4_1 matrices as int4 entries
+    (quantize.py's format) instead of dequantizing them, and its Q8_0 ones as
+    grouped int8 where the device runs our GEMV."""
     if path is None:
         from .hub import default_model_path
         path = default_model_path()
@@ -55,7 +56,7 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
         magic = f.read(4)
     if magic == b"GGUF":
         from .gguf import load_gguf
-        return load_gguf(path, device, dtype, progress, keep_gguf_int4)
+        return load_gguf(path, device, dtype, progress, keep_gguf_blocks)
     raise BriskError(f"{path}: unrecognised checkpoint format (expected a GGUF file or a "
                      f"Hugging Face / brisk-lm folder)")
 

@@ -156,7 +156,10 @@ def load_tokenizer(meta: dict, path: str) -> Tokenizer:
                      meta.get("tokenizer.chat_template"))
 
 
-def load_gguf(path: str, device, dtype, progress=None, keep_int4=False) -> Checkpoint:
+def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Checkpoint:
+    """keep_blocks: Q4_0/Q4_1 matrices become int4 entries, and Q8_0 ones grouped
+    int8 entries where our Triton GEMV can run them (on CPUs they are dequantized:
+    a per-token dequantization would be slower than the dense matrix)."""
     from gguf.quants import dequantize
     reader = open_reader(path)
     meta = metadata(reader)
@@ -198,10 +201,12 @@ def load_gguf(path: str, device, dtype, progress=None, keep_int4=False) -> Check
         return gguf_names[hf_name]
 
     kept = {}
-    if keep_int4:
+    if keep_blocks:
+        from ..kernels import gemv
         qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
                     if ARCHITECTURES[arch]["permuted_qk"] else {})
-        kept = keep_int4_blocks(args, tensors, by_hf, qk_heads, device)
+        kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device,
+                                     keep_q8=gemv.available(torch.device(device)))
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
                                    progress, skip=kept)
     for name, parts in kept.items():
@@ -230,23 +235,42 @@ def int4_from_blocks(tensor):
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
 
 
-def keep_int4_blocks(args, tensors, by_hf, qk_heads, device) -> dict:
-    """int4 entries for every Linear whose GGUF tensors are all Q4_0/Q4_1."""
+def int8_from_blocks(tensor):
+    """A Q8_0 tensor (blocks of fp16 d and 32 int8 codes) as (codes (N, K) int8, scale (N, K/32) fp32)."""
+    raw = np.asarray(tensor.data)
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+    return torch.from_numpy(codes), torch.from_numpy(d)
+
+
+def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=False) -> dict:
+    """int4 entries for every Linear whose GGUF tensors are all Q4_0/Q4_1, and
+    with keep_q8 grouped int8 entries for those that are all Q8_0."""
     from ..quantize import pack_int4, quantized_linear_names
     from . import hf_parts
     kept = {}
     for name in quantized_linear_names(args):
         parts = hf_parts(name)
-        if not all(p in by_hf and tensors[by_hf[p]].tensor_type.name in Q4_BLOCK_BYTES for p in parts):
+        if not all(p in by_hf for p in parts):
+            continue
+        kinds = {tensors[by_hf[p]].tensor_type.name for p in parts}
+        if kinds <= set(Q4_BLOCK_BYTES):
+            read = int4_from_blocks
+        elif kinds == {"Q8_0"} and keep_q8:
+            read = int8_from_blocks
+        else:
             continue
         pieces = []
         for p in parts:
-            codes, scale, zero = int4_from_blocks(tensors[by_hf[p]])
+            arrays = read(tensors[by_hf[p]])
             heads = qk_heads.get(p.split(".")[-2])
             if heads:  # undo llama.cpp's q/k row order, as for dense weights
-                codes, scale, zero = (unpermute_qk(t, heads) for t in (codes, scale, zero))
-            pieces.append((codes, scale, zero))
-        codes, scale, zero = (torch.cat(ts) for ts in zip(*pieces))
-        kept[name] = {"int4": pack_int4(codes).to(device), "scale": scale.to(device),
-                      "zero": zero.to(device)}
+                arrays = tuple(unpermute_qk(t, heads) for t in arrays)
+            pieces.append(arrays)
+        joined = [torch.cat(ts).to(device) for ts in zip(*pieces)]
+        if read is int4_from_blocks:
+            kept[name] = {"int4": pack_int4(joined[0]), "scale": joined[1], "zero": joined[2]}
+        else:
+            kept[name] = {"int8": joined[0], "scale": joined[1]}
     return kept

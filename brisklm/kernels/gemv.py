@@ -44,9 +44,9 @@ def available(device: torch.device) -> bool:
 
 
 # Block sizes (BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per weight element size in
-# bits, where the measured table (gemv_tuned.json, written by
+# bits ("8g": int8 with a scale per group), where the measured table (gemv_tuned.json, written by
 # benchmarks/gemv_sweep.py for a device) has no entry. BLOCK_K counts codes.
-DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8)}
+DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8), "8g": (32, 512, 1, 4)}
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "gemv_tuned.json")
 _tuned: dict | None = None
 
@@ -63,7 +63,7 @@ def tuned() -> dict:
     return _tuned
 
 
-def config(bits: int, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
+def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
     entry = tuned().get(f"{bits}:{n}:{k}")
     block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
     # Blocks tile K exactly where they can (no masks along K), and hold whole groups.
@@ -147,40 +147,53 @@ if triton is not None:
         tl.store(out_ptr + pid_k * N + rows, y, mask=row_ok)
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Codes read as int32 words of 8; a block covers BLOCK_K codes, GROUPS
-        # whole groups of WPG words. Each code becomes f = 1 + q/16, so a group
-        # contributes s (x.q) + (z - 8s) sum x = 16 s (x.f) + (z - 24 s) sum x.
+    def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
+                             BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        # Codes with a scale per group of GROUP inputs, read as int32 words:
+        #   int4 (BITS 4): 8 codes a word, byte j holding k = 2j in its high
+        #        nibble and 2j + 1 in its low one; w = (q - 8) s + z.
+        #   int8 (BITS 8, GGUF Q8_0): 4 codes a word, byte b holding k = 4 word + b; w = q s.
+        # Each code c (int8: q + 128) becomes f = 1 + c/A with A = 2**BITS, so
+        #   x.q = A (x.f) - (A + OFFSET) sum x, OFFSET = 0 (int4) or 128 (int8),
+        # and a group adds A s (x.f) + (z - (A + 8) s) sum x (int4) or - 384 s sum x (int8).
+        CODES: tl.constexpr = 32 // BITS
+        A: tl.constexpr = 1 << BITS
         GROUPS: tl.constexpr = BLOCK_K // GROUP
-        WPG: tl.constexpr = GROUP // 8
+        WPG: tl.constexpr = GROUP // CODES
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         n_groups = K // GROUP
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 8)
+        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // CODES)
         g_off = tl.arange(0, GROUPS)
         words = g_off[:, None] * WPG + tl.arange(0, WPG)[None, :]  # (GROUPS, WPG)
         acc = tl.zeros((BLOCK_N, GROUPS, WPG), dtype=tl.float32)
-        acc_zero = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        acc_sum = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
             k0 = k_start + i
-            w = tl.load(w_rows + (k0 // 8 + words)[None, :, :], mask=row_ok[:, None, None])
+            w = tl.load(w_rows + (k0 // CODES + words)[None, :, :], mask=row_ok[:, None, None])
             dot = tl.zeros((BLOCK_N, GROUPS, WPG), dtype=tl.float32)
             x_sum = tl.zeros((GROUPS, WPG), dtype=tl.float32)
-            for p in tl.static_range(8):
-                # byte p // 2 of a word holds k = 2 (p // 2) in its high nibble, the next k in its low
-                x = tl.load(x_ptr + k0 + 8 * words + p).to(tl.float32)
-                dot += _code_as_float(w, 8 * (p // 2) + 4 * (1 - p % 2), 4, 0) * x[None, :, :]
+            for p in tl.static_range(CODES):
+                x = tl.load(x_ptr + k0 + CODES * words + p).to(tl.float32)
+                if BITS == 4:
+                    code = _code_as_float(w, 8 * (p // 2) + 4 * (1 - p % 2), 4, 0)
+                else:
+                    code = _code_as_float(w, 8 * p, 8, 0x80)
+                dot += code * x[None, :, :]
                 x_sum += x
             sz = rows[:, None] * n_groups + (k0 // GROUP + g_off)[None, :]
             s = tl.load(s_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
-            z = tl.load(z_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
-            acc += dot * (16 * s)[:, :, None]
-            acc_zero += (z - 24 * s) * tl.sum(x_sum, axis=1)[None, :]
-        y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc_zero, axis=1)
+            if BITS == 4:
+                per_sum = tl.load(z_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32) - (A + 8) * s
+            else:
+                per_sum = -(A + 128) * s
+            acc += dot * (A * s)[:, :, None]
+            acc_sum += per_sum * tl.sum(x_sum, axis=1)[None, :]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1) + tl.sum(acc_sum, axis=1)
         tl.store(out_ptr + pid_k * N + rows, y, mask=row_ok)
 
 
@@ -201,14 +214,16 @@ def _launch_scaled(x, w, launch):
     return out
 
 
-def _launch_int4(x, packed, scale, zero, launch):
-    n, k = packed.shape[0], packed.shape[1] * 2
+def _launch_grouped(x, codes, scale, zero, launch):
+    """codes: (N, K/2) uint8 int4 pairs (with zero) or (N, K) int8 (zero unused)."""
+    bits = 4 if codes.dtype == torch.uint8 else 8
+    n, k = codes.shape[0], codes.shape[1] * 8 // bits
     group = k // scale.shape[1]
-    block_n, block_k, split_k, warps = config(4, n, k, group)
+    block_n, block_k, split_k, warps = config(4 if bits == 4 else "8g", n, k, group)
     out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split_k)
-    launch(_int4_gemv_kernel)[grid](x, packed.view(torch.int32), scale, zero, out, n, k, k // split_k, GROUP=group,
-                                    BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    launch(_grouped_gemv_kernel)[grid](x, codes.view(torch.int32), scale, zero, out, n, k, k // split_k, BITS=bits,
+                                       GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
 
 
@@ -221,9 +236,9 @@ def scaled_gemv_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _launch_scaled(x.contiguous(), w, _direct)
 
 
-def int4_gemv_partials(x, packed, scale, zero) -> torch.Tensor:
-    """(SPLIT_K, N) fp32 partial sums of the int4 weights times a (K,) vector x."""
-    return _launch_int4(x.contiguous(), packed, scale, zero, _direct)
+def grouped_gemv_partials(x, codes, scale, zero) -> torch.Tensor:
+    """(SPLIT_K, N) fp32 partial sums of groupwise int4 or int8 weights times a (K,) vector x."""
+    return _launch_grouped(x.contiguous(), codes, scale, zero, _direct)
 
 
 if triton is not None and hasattr(torch.library, "triton_op"):
@@ -235,17 +250,27 @@ if triton is not None and hasattr(torch.library, "triton_op"):
     def _scaled_gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return _launch_scaled(x, w, wrap_triton)
 
-    @triton_op("brisklm::int4_gemv", mutates_args={})
-    def _int4_gemv_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                      zero: torch.Tensor) -> torch.Tensor:
-        return _launch_int4(x, packed, scale, zero, wrap_triton)
+    @triton_op("brisklm::grouped_gemv", mutates_args={})
+    def _grouped_gemv_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                         zero: torch.Tensor) -> torch.Tensor:
+        return _launch_grouped(x, codes, scale, zero, wrap_triton)
 
     def scaled_gemv(x, w):
         return _scaled_gemv_op(x.contiguous(), w) if x.is_cuda else scaled_gemv_partials(x, w)
 
-    def int4_gemv(x, packed, scale, zero):
+    def grouped_gemv(x, codes, scale, zero):
         if x.is_cuda:
-            return _int4_gemv_op(x.contiguous(), packed, scale, zero)
-        return int4_gemv_partials(x, packed, scale, zero)
+            return _grouped_gemv_op(x.contiguous(), codes, scale, zero)
+        return grouped_gemv_partials(x, codes, scale, zero)
 else:
-    scaled_gemv, int4_gemv = scaled_gemv_partials, int4_gemv_partials
+    scaled_gemv, grouped_gemv = scaled_gemv_partials, grouped_gemv_partials
+
+
+def int4_gemv(x, packed, scale, zero):
+    """Partial sums for int4 codes (N, K/2) with scale and zero per group."""
+    return grouped_gemv(x, packed, scale, zero)
+
+
+def int8_group_gemv(x, q, scale):
+    """Partial sums for int8 codes (N, K) with a scale per group (GGUF Q8_0)."""
+    return grouped_gemv(x, q, scale, scale)  # no zero: the kernel does not read it
