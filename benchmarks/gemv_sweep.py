@@ -206,6 +206,7 @@ def main():
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--kinds", default="bf16,int8,fp8,int4-g128,int4-g64")
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
+    ap.add_argument("--retime", action="store_true", help="time only the configs already in the table")
     opts = ap.parse_args()
     t0 = time.time()
     lines = check_correctness(["bf16", "int8", "fp8", "int8-g32", "int4-g32", "int4-g64", "int4-g128", "int4-g256"])
@@ -221,6 +222,8 @@ def main():
             # and int4 g64 at g128's: the table is keyed by width and shape
             key = f"{bits}:{n}:{k}"
             fixed = [tuple(table[key]["config"])] if kind in ("fp8", "int4-g64") and key in table else None
+            if opts.retime and key in gemv.tuned():  # time the stored config only
+                fixed = [tuple(gemv.tuned()[key]["config"])]
             r = sweep(kind, n, k, fixed)
             print(f"{kind} {name} {n}x{k}: {r}", flush=True)
             rows.append((kind, name, n, k, r))
