@@ -97,7 +97,7 @@ class LLM:
     """A loaded model with its tokenizer and generator."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, *, max_seq_length=None,
-                 compile=False, compile_prefill=False, compile_options=None, name="model"):
+                 compile=False, compile_prefill=False, compile_options=None, name="model", kv_int8=False):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -105,7 +105,7 @@ class LLM:
             raise BriskError(f"max_seq_length must be >= 1, got {max_seq_length}")
         length = max_seq_length or min(model.args.max_position_embeddings, 4096)
         self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill,
-                                   compile_options=compile_options)
+                                   compile_options=compile_options, kv_int8=kv_int8)
 
     @property
     def stats(self):
@@ -198,7 +198,7 @@ def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop) -> Iterator[str]:
 def load(path: str | None = None, *, device: str | None = None, dtype=None,
          compile: bool = False, compile_prefill: bool = False, max_seq_length: int | None = None,
          preset: str | None = None, quiet: bool = True, compile_options: dict | None = None,
-         quantize: str | None = "auto", groupsize: int = 128) -> LLM:
+         quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -206,7 +206,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     round-to-nearest at load; "gguf" keeps a GGUF file's Q4_0/Q4_1 matrices
     as they are (int4, group 32), with no dequantize-requantize round trip;
     "auto" (the default) does that for GGUF files that have such matrices and
-    nothing otherwise; None or "none" keeps every weight dense."""
+    nothing otherwise; None or "none" keeps every weight dense.
+
+    kv_int8 stores the KV cache as int8 with a scale per position and head:
+    half its memory, for long contexts, at some speed."""
     from .checkpoints import load as load_checkpoint
     quantize = quantize or "none"
     if quantize not in QUANTIZE_MODES:
@@ -236,4 +239,4 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
-               compile_prefill=compile_prefill, compile_options=compile_options, name=name)
+               compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8)

@@ -67,9 +67,11 @@ def matmul_tflops(device, n=None, reps=10):
     return 2 * n**3 / _timed(device, lambda: a @ b, reps) / 1e12
 
 
-def kv_bytes_per_position(args, dtype) -> int:
+def kv_bytes_per_position(args, dtype, int8=False) -> int:
+    """Bytes the KV cache stores per position (int8: codes plus one scale a head)."""
     elem = torch.finfo(dtype).bits // 8
-    return 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * elem
+    per_head = args.head_dim + elem if int8 else args.head_dim * elem
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * per_head
 
 
 def prefill_flops(args, tokens: int) -> float:
@@ -99,7 +101,8 @@ def decode_figures(llm, prompt_len, new_tokens, samples, ceiling, dtype):
     _run(llm, ids, new_tokens)  # warm-up (and compile)
     rates = [_run(llm, ids, new_tokens).decode_tokens_per_s for _ in range(samples)]
     live = prompt_len + new_tokens / 2  # mean cache length read during decode
-    per_token = llm.stats.weight_bytes + live * kv_bytes_per_position(llm.model.args, dtype)
+    int8 = llm.model.layers[0].attention.kv_cache.k.dtype == torch.int8
+    per_token = llm.stats.weight_bytes + live * kv_bytes_per_position(llm.model.args, dtype, int8)
     rate = statistics.median(rates)
     return {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "tokens_per_s": rate,
             "min": min(rates), "max": max(rates), "bytes_per_token": per_token,
@@ -229,7 +232,7 @@ def run(opts) -> dict:
     llm = load(opts.checkpoint_path, preset=opts.preset, device=str(device), dtype=opts.dtype,
                compile=opts.compile, compile_prefill=opts.compile_prefill,
                compile_options=opts.compile_options, max_seq_length=longest, quiet=False,
-               quantize=opts.quantize, groupsize=opts.groupsize)
+               quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8)
     dtype = llm.model.norm.weight.dtype
     ceiling = result["read_ceiling_gb_s"]
     if device.type == "cuda":

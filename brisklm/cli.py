@@ -29,6 +29,8 @@ def _model_flags(p: argparse.ArgumentParser):
                    help="weight-only quantization at load: int8, int4 (RTN); gguf keeps a GGUF file's "
                         "Q4_0/Q4_1 blocks as int4; auto (default) = gguf where possible, else none")
     p.add_argument("--groupsize", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
+    p.add_argument("--kv_int8", action="store_true",
+                   help="KV cache in int8 with a scale per position and head: half the memory, some speed")
     p.add_argument("--compile_options", type=_json_dict, default=None,
                    help='inductor options as JSON, e.g. \'{"coordinate_descent_tuning": true}\'')
 
@@ -126,7 +128,7 @@ def _load(args, quiet=False):
     return load(args.checkpoint_path, device=args.device, dtype=args.dtype, compile=args.compile,
                 compile_prefill=args.compile_prefill, max_seq_length=args.max_seq_length,
                 preset=args.preset, quiet=quiet, compile_options=args.compile_options,
-                quantize=args.quantize, groupsize=args.groupsize)
+                quantize=args.quantize, groupsize=args.groupsize, kv_int8=args.kv_int8)
 
 
 def _sampling(args) -> dict:

@@ -83,11 +83,11 @@ class Generator:
     """Owns a model with its KV cache, and the compiled (or eager) step functions."""
 
     def __init__(self, model: Transformer, max_seq_length: int, compile: bool = False,
-                 compile_prefill: bool = False, compile_options: dict | None = None):
+                 compile_prefill: bool = False, compile_options: dict | None = None, kv_int8: bool = False):
         self.model = model
         self.device = model.tok_embeddings.weight.device
         self.max_seq_length = max_seq_length
-        model.setup_caches(1, max_seq_length)
+        model.setup_caches(1, max_seq_length, kv_int8)
         self.cached: list[int] = []  # tokens whose keys/values are in the cache
         self.compiled = compile
         self._decode = decode_one_token

@@ -130,19 +130,38 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values, (B, n_kv_heads, max_seq_length, head_dim) each."""
+    """Preallocated keys and values, (B, n_kv_heads, max_seq_length, head_dim) each.
 
-    def __init__(self, batch, n_kv_heads, max_seq_length, head_dim, dtype, device):
+    With int8=True they are stored as int8 with one scale per position and head
+    (half the memory, for long contexts) and handed to attention dequantized;
+    that costs time, not saves it, until an attention kernel reads int8 itself."""
+
+    def __init__(self, batch, n_kv_heads, max_seq_length, head_dim, dtype, device, int8=False):
         super().__init__()
         shape = (batch, n_kv_heads, max_seq_length, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.dtype = dtype
+        for name in ("k", "v"):
+            self.register_buffer(name, torch.zeros(shape, dtype=torch.int8 if int8 else dtype, device=device),
+                                 persistent=False)
+            if int8:
+                self.register_buffer(name + "_scale", torch.zeros(shape[:-1] + (1,), dtype=dtype, device=device),
+                                     persistent=False)
 
-    def update(self, input_pos, k, v):
+    def update(self, input_pos, k, v, length: int | None = None):
+        """Write k, v at input_pos; return the first `length` positions (None: all)."""
         # index_copy_ with a tensor of positions keeps shapes static for CUDA graphs.
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+        if self.k.dtype != torch.int8:
+            self.k.index_copy_(2, input_pos, k)
+            self.v.index_copy_(2, input_pos, v)
+            return self.k[:, :, :length], self.v[:, :, :length]
+        out = []
+        for name, new in (("k", k), ("v", v)):
+            scale = new.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+            getattr(self, name).index_copy_(2, input_pos, torch.round(new.float() / scale).to(torch.int8))
+            getattr(self, name + "_scale").index_copy_(2, input_pos, scale.to(self.dtype))
+            q, s = getattr(self, name)[:, :, :length], getattr(self, name + "_scale")[:, :, :length]
+            out.append(q.to(self.dtype) * s)
+        return tuple(out)
 
 
 class Linear(nn.Linear):
@@ -176,12 +195,12 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
+        flex = isinstance(mask, BlockMask)  # compiled decode: skips the cache blocks not yet filled
+        k, v = self.kv_cache.update(input_pos, k, v, None if flex else mask.shape[-1])  # (B, Hkv, S, D)
         gqa = self.n_heads != self.n_kv_heads
-        if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
+        if flex:
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
-            k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
 
@@ -227,13 +246,14 @@ class Transformer(nn.Module):
         if self.args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        """Allocate the KV cache and the RoPE tables for up to max_seq_length positions."""
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_int8: bool = False):
+        """Allocate the KV cache (int8 with kv_int8) and the RoPE tables for up to
+        max_seq_length positions."""
         dtype, device = self.norm.weight.dtype, self.norm.weight.device  # the activations'
         a = self.args
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
-                                               max_seq_length, a.head_dim, dtype, device)
+                                               max_seq_length, a.head_dim, dtype, device, kv_int8)
         t = torch.arange(max_seq_length, dtype=torch.float32)
         angles = torch.outer(t, rope_frequencies(a))  # (S, D/2)
         self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)

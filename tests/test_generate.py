@@ -95,6 +95,46 @@ def test_compiled_decode_step_equals_eager():
     assert compiled == eager
 
 
+def decode_logits(model, ids, steps, kv_int8):
+    """Logits of a prefill of ids and `steps` greedy decode steps, one cache."""
+    model.setup_caches(1, 64, kv_int8)
+    out, pos = [], len(ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), torch.arange(pos), kv_len=pos)[0, -1]
+        for _ in range(steps):
+            out.append(logits)
+            token = torch.tensor([[int(logits.argmax())]])
+            logits = model(token, torch.tensor([pos]), kv_len=pos + 1)[0, -1]
+            pos += 1
+    return torch.stack(out)
+
+
+def test_int8_kv_cache_halves_the_cache_and_stays_close():
+    """int8 keys and values with a scale per position and head: each stored
+    value is within half a step (1/254 of its vector's largest magnitude)."""
+    model = tiny_model()
+    full = decode_logits(model, [1, 2, 3, 4, 5], 10, kv_int8=False)
+    full_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "kv_cache" in n)
+    int8 = decode_logits(model, [1, 2, 3, 4, 5], 10, kv_int8=True)
+    int8_bytes = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "kv_cache" in n)
+    cache = model.layers[0].attention.kv_cache
+    # fp32 model, head_dim 8: (8 codes + a 4-byte scale) against 8 x 4 bytes
+    assert cache.k.dtype == torch.int8 and int8_bytes == full_bytes * 12 // 32
+    assert ((int8 - full).norm() / full.norm()) < 3e-2  # random std-0.3 weights amplify; a wrong cache gives ~1
+    # the stored codes reproduce the keys written
+    k = torch.randn(1, 2, 1, 8) * 3
+    c = type(cache)(1, 2, 4, 8, torch.float32, "cpu", int8=True)
+    got, _ = c.update(torch.tensor([2]), k, k, length=3)
+    assert ((got[:, :, 2:3] - k).abs() <= k.abs().amax(-1, keepdim=True) / 254 + 1e-6).all()
+
+
+def test_int8_kv_cache_compiled_equals_eager():
+    model = tiny_model()
+    eager = list(Generator(model, 64, kv_int8=True).tokens([1, 2, 3], 10, GREEDY))
+    compiled = list(Generator(model, 64, compile=True, kv_int8=True).tokens([1, 2, 3], 10, GREEDY))
+    assert compiled == eager
+
+
 # --- text level, on the real SmolLM2 -------------------------------------------
 
 def test_default_model_knows_the_capital_of_france(smol_llm):
@@ -123,3 +163,18 @@ def test_chat_stops_at_end_of_turn_and_reuses_the_cache(smol_llm):
                  {"role": "user", "content": "And of Italy?"}]
     second = smol_llm.chat(messages, max_new_tokens=32, temperature=0)
     assert second and smol_llm.stats.reused_tokens > 20
+
+
+def test_int8_kv_cache_on_the_real_model(smollm2_gguf):
+    """SmolLM2 with an int8 KV cache: next-token distributions within a small KL
+    of the full cache over a 40-token text, and the same answer."""
+    import brisklm
+    llm = brisklm.load(smollm2_gguf, device="cpu", dtype="float32", max_seq_length=128, kv_int8=True)
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]
+    full = decode_logits(llm.model, ids, 8, kv_int8=False).log_softmax(-1)
+    int8 = decode_logits(llm.model, ids, 8, kv_int8=True).log_softmax(-1)
+    kl = (full.exp() * (full - int8)).sum(-1).mean()
+    assert kl < 1e-3
+    llm.generator.model.setup_caches(1, 128, True)  # the generator's own cache again
+    llm.generator.cached = []
+    assert "Paris" in llm.generate("The capital of France is", max_new_tokens=8, temperature=0)
