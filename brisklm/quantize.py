@@ -228,8 +228,10 @@ class Int4WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = in_features, n
         self.padded = k_padded
         self.groupsize = k_padded // scale.shape[1]
-        self.triton = gemv.available(packed.device)
-        if self.triton:
+        # Codes stay as stored on GPUs (the Triton GEMV, or without triton the
+        # dequantized matmul); CPUs repack them for tinygemm.
+        self.keep_codes = gemv.available(packed.device) or packed.device.type == "cuda"
+        if self.keep_codes:
             self.register_buffer("packed", packed.contiguous())
             self.register_buffer("scale", scale.to(dtype).contiguous())
             self.register_buffer("zero", zero.to(dtype).contiguous())
@@ -248,11 +250,11 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.triton and x.shape[0] == 1:
+        if self.keep_codes and x.shape[0] == 1 and gemv.available(x.device):
             if self.padded != self.in_features:
                 x = F.pad(x, (0, self.padded - self.in_features))
             y = gemv.int4_gemv(x.reshape(-1), self.packed, self.scale, self.zero).sum(0).to(x.dtype)
-        elif self.triton:
+        elif self.keep_codes:
             y = F.linear(x, self.dense_weight(x.dtype))
         else:
             if self.padded != self.in_features:

@@ -79,7 +79,7 @@ for mode, group in (("int8", None), ("fp8", None), ("int4", 32)):
         elif suffix not in ("scale", "zero"):
             dense[name] = t
     a, b = build_model(qargs, qstate), build_model(qargs, dense)
-    assert any(getattr(m, "triton", False) or type(m).__name__ == "ScaledWeightOnlyLinear"
+    assert any(getattr(m, "keep_codes", False) or type(m).__name__ == "ScaledWeightOnlyLinear"
                for m in a.modules())
     for m in (a, b):
         m.setup_caches(1, 16)
