@@ -10,13 +10,15 @@ sums (SPLIT_K, N): the caller's `.sum(0) * scale`, and whatever follows, is
 fused by inductor into the next elementwise kernel instead of a launch of
 its own.
 
-  scaled_gemv: int8, float8_e4m3fn or dense weights (N, K); the per-row scale
-               is applied by the caller.
-  int4_gemv:   codes packed two to a byte (N, K/2), even k in the high
-               nibble, scale and zero per group of G inputs:
-               w = (q - 8) * s + z, so  y = sum_g s_g (x_g . q_g) + (z_g - 8 s_g) sum(x_g).
-               The zero term needs only the per-group sums of x, shared by all
-               rows, so the per-weight work is a widen and one FMA.
+  scaled_gemv:  int8, float8_e4m3fn or dense weights (N, K); the per-row
+                scale is applied by the caller. int8 is read as int32 words
+                and widened like the grouped codes below.
+  grouped_gemv: a scale per group of G inputs. int4 (`int4_gemv`): codes
+                packed two to a byte (N, K/2), even k in the high nibble,
+                w = (q - 8) s + z. int8 (`int8_group_gemv`, GGUF Q8_0): w = q s.
+                The zero and offset terms need only the per-group sums of x,
+                shared by all rows, so the per-code work is a shift, one
+                bitwise op and one FMA (see _code_as_float).
 
 Block sizes come from `config`, chosen by measurement on an H200
 (benchmarks/gemv_sweep.py). The same launchers run under TRITON_INTERPRET=1
