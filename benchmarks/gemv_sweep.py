@@ -64,10 +64,9 @@ def make(kind: str, w: torch.Tensor):
         return (lambda x: raw(x).sum(0) * s), raw, dequantize(parts).double(), q.numel() + s.numel() * 2
     group = int(kind.split("g")[1])
     if kind.startswith("int8"):  # a fp16 scale per group: GGUF Q8_0
-        groups = w.reshape(w.shape[0], -1, group)
-        s = (groups.abs().amax(-1) / 127).half()
-        q = torch.round(groups / s.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(w.shape)
-        ref = (q.float().reshape(groups.shape) * s.float()[..., None]).reshape(w.shape)
+        parts = quantize_int8(w, group)
+        q, s = parts["int8"], parts["scale"].half()
+        ref = dequantize({"int8": q, "scale": s})
         raw = lambda x: gemv.int8_group_gemv(x, q, s)  # noqa: E731
         return (lambda x: raw(x).sum(0)), raw, ref.double(), q.numel() + 2 * s.numel()
     parts = quantize_int4(w, group, torch.bfloat16)

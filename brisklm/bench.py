@@ -101,8 +101,7 @@ def decode_figures(llm, prompt_len, new_tokens, samples, ceiling, dtype):
     _run(llm, ids, new_tokens)  # warm-up (and compile)
     rates = [_run(llm, ids, new_tokens).decode_tokens_per_s for _ in range(samples)]
     live = prompt_len + new_tokens / 2  # mean cache length read during decode
-    int8 = llm.model.layers[0].attention.kv_cache.k.dtype == torch.int8
-    per_token = llm.stats.weight_bytes + live * kv_bytes_per_position(llm.model.args, dtype, int8)
+    per_token = llm.stats.weight_bytes + live * kv_bytes_per_position(llm.model.args, dtype, llm.model.kv_int8)
     rate = statistics.median(rates)
     return {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "tokens_per_s": rate,
             "min": min(rates), "max": max(rates), "bytes_per_token": per_token,

@@ -23,8 +23,7 @@ def default_text(chars: int = 60_000) -> str:
 
 def _window_logits(model, ids: torch.Tensor, window: int):
     """Yield (logits (W, V) fp32, targets (W,)) for each window of ids."""
-    cache = model.layers[0].attention.kv_cache  # keep its kind (int8 or not)
-    model.setup_caches(1, window, cache is not None and cache.k.dtype == torch.int8)
+    model.setup_caches(1, window)  # the kind of cache (int8 or not) the model has
     for start in range(0, ids.numel() - 1, window):
         chunk = ids[start:start + window + 1]
         if chunk.numel() < 2:

@@ -156,8 +156,9 @@ class KVCache(nn.Module):
             return self.k[:, :, :length], self.v[:, :, :length]
         out = []
         for name, new in (("k", k), ("v", v)):
-            scale = new.float().abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
-            getattr(self, name).index_copy_(2, input_pos, torch.round(new.float() / scale).to(torch.int8))
+            new = new.float()
+            scale = new.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+            getattr(self, name).index_copy_(2, input_pos, torch.round(new / scale).to(torch.int8))
             getattr(self, name + "_scale").index_copy_(2, input_pos, scale.to(self.dtype))
             q, s = getattr(self, name)[:, :, :length], getattr(self, name + "_scale")[:, :, :length]
             out.append(q.to(self.dtype) * s)
@@ -241,19 +242,21 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_seq_length = 0
+        self.kv_int8 = False
 
     def tie_weights(self):
         if self.args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_int8: bool = False):
-        """Allocate the KV cache (int8 with kv_int8) and the RoPE tables for up to
-        max_seq_length positions."""
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_int8: bool | None = None):
+        """Allocate the KV cache (int8 with kv_int8; None keeps the current kind)
+        and the RoPE tables for up to max_seq_length positions."""
+        self.kv_int8 = self.kv_int8 if kv_int8 is None else kv_int8
         dtype, device = self.norm.weight.dtype, self.norm.weight.device  # the activations'
         a = self.args
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
-                                               max_seq_length, a.head_dim, dtype, device, kv_int8)
+                                               max_seq_length, a.head_dim, dtype, device, self.kv_int8)
         t = torch.arange(max_seq_length, dtype=torch.float32)
         angles = torch.outer(t, rope_frequencies(a))  # (S, D/2)
         self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)

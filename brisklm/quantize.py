@@ -48,12 +48,19 @@ def quantized_linear_names(args) -> list[str]:
 
 # --- the formats ----------------------------------------------------------------
 
-def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Symmetric per-output-channel int8 (RTN)."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
-    q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
-    return {"int8": q, "scale": scale}
+def quantize_int8(w: torch.Tensor, groupsize: int | None = None) -> dict[str, torch.Tensor]:
+    """Symmetric int8 (RTN): a scale per output channel (N,), or with groupsize
+    a scale per group of inputs in each row (N, K/groupsize), as GGUF's Q8_0."""
+    groups = w.float().reshape(w.shape[0], -1, groupsize or w.shape[1])
+    scale = (groups.abs().amax(-1) / 127).clamp(min=1e-10)
+    q = torch.round(groups / scale[..., None]).clamp(-128, 127).to(torch.int8).reshape(w.shape)
+    return {"int8": q, "scale": scale if groupsize else scale[:, 0]}
+
+
+def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """(..., K) codes times (..., K/group) scales, in dtype."""
+    groups = q.to(dtype).unflatten(-1, (scale.shape[-1], -1)) * scale.to(dtype)[..., None]
+    return groups.flatten(-2)
 
 
 def quantize_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -98,10 +105,10 @@ def quantize_int4(w: torch.Tensor, groupsize: int, scale_dtype=torch.float32) ->
 def dequantize(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """The weights a quantized entry stands for, in fp32 (for tests and evaluation)."""
     if "int8" in parts or "fp8" in parts:
-        q, scale = (parts["int8"] if "int8" in parts else parts["fp8"]).float(), parts["scale"].float()
-        if scale.dim() == 2:  # a scale per group (the embedding)
-            return (q.reshape(q.shape[0], scale.shape[1], -1) * scale[..., None]).reshape(q.shape)
-        return q * scale[:, None]
+        q, scale = parts["int8"] if "int8" in parts else parts["fp8"], parts["scale"].float()
+        if scale.dim() == 2:  # a scale per group (GGUF Q8_0, the embedding)
+            return dequantize_grouped(q, scale)
+        return q.float() * scale[:, None]
     codes = unpack_int4(parts["int4"]).float()
     n, k = codes.shape
     scale, zero = parts["scale"].float(), parts["zero"].float()
@@ -151,10 +158,7 @@ def quantize_embedding(state: dict, groupsize: int = 32) -> dict:
     name = "tok_embeddings.weight"
     if name in state and state[name].shape[1] % groupsize == 0:
         w = state.pop(name)
-        groups = w.float().reshape(w.shape[0], -1, groupsize)
-        scale = (groups.abs().amax(-1) / 127).clamp(min=1e-10)
-        q = torch.round(groups / scale[..., None]).clamp(-128, 127).to(torch.int8).reshape(w.shape)
-        state.update({f"{name}_int8": q.to(w.device), f"{name}_scale": scale.to(w.device)})
+        state.update({f"{name}_{s}": t.to(w.device) for s, t in quantize_int8(w, groupsize).items()})
     return state
 
 
@@ -210,8 +214,7 @@ class GroupedInt8Linear(nn.Module):
             y = gemv.int8_group_gemv(x.reshape(-1), self.weight, self.scale).sum(0).to(x.dtype)
             y = y.reshape(*x.shape[:-1], self.out_features)
         else:
-            w = self.weight.reshape(self.out_features, self.scale.shape[1], -1).to(x.dtype)
-            y = F.linear(x, (w * self.scale[..., None].to(x.dtype)).reshape(self.weight.shape))
+            y = F.linear(x, dequantize_grouped(self.weight, self.scale, x.dtype))
         return y if self.bias is None else y + self.bias
 
 
@@ -275,9 +278,8 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scale", scale.float())
 
     def forward(self, idx):
-        rows = F.embedding(idx, self.weight).float()
-        groups = rows.reshape(*rows.shape[:-1], self.scale.shape[1], -1) * F.embedding(idx, self.scale)[..., None]
-        return groups.reshape(rows.shape).to(self.dtype)
+        rows = dequantize_grouped(F.embedding(idx, self.weight), F.embedding(idx, self.scale))
+        return rows.to(self.dtype)
 
 
 def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> nn.Module:

@@ -34,10 +34,8 @@ for n, k in SHAPES:
     cases = [("bf16", None), ("int8", quantize_int8(w)), ("fp8", quantize_fp8(w))]
     cases += [(f"int4-g{g}", quantize_int4(w, g, torch.bfloat16)) for g in (32, 64, 128, 256) if k >= g]
     if k % 32 == 0:  # int8 with an fp16 scale per 32 inputs: GGUF Q8_0
-        groups = w.reshape(n, -1, 32)
-        scale = (groups.abs().amax(-1) / 127).half()
-        q = torch.round(groups / scale.float()[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
-        cases.append(("int8-g32", {"q8": q, "scale": scale}))
+        q8 = quantize_int8(w, 32)
+        cases.append(("int8-g32", {"q8": q8["int8"], "scale": q8["scale"].half()}))
     for name, parts in cases:
         if parts is not None and "q8" in parts:
             q, scale = parts["q8"], parts["scale"]
