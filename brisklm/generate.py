@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from .kernels import attention as attention_kernel
 from .model import Transformer, causal_block_mask, decode_block_mask
 from .sampling import SamplingParams, sample
 
@@ -94,7 +95,8 @@ class Generator:
         self._prefill = prefill
         self.block_mask = None
         if compile:
-            self.block_mask = causal_block_mask(max_seq_length, self.device)
+            if not attention_kernel.supported(self.device, 1, 1, model.args.head_dim):
+                self.block_mask = causal_block_mask(max_seq_length, self.device)
             # Inductor options apply to this function only (no global flags); on
             # CUDA the step becomes one CUDA graph ("triton.cudagraphs").
             options = {"triton.cudagraphs": self.device.type == "cuda", **(compile_options or {})}
@@ -148,6 +150,10 @@ class Generator:
         token = self._prefill(self.model, new, pos, params, kv_len=len(prompt_ids))
         self.cached.extend(prompt_ids[start:])
         pos_host = len(prompt_ids)
+        # The step's position lives on the device and is advanced there: making
+        # it from a host int each step would copy from pageable memory, which
+        # waits for the GPU and so starves it for the next step's launch time.
+        step_pos = pos[-1:] + 1
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         for i in range(max_new_tokens):
             host = token.to("cpu", non_blocking=True)
@@ -157,11 +163,11 @@ class Generator:
             if more:  # queue the next step before looking at this token
                 if self.compiled and self.device.type == "cuda":
                     torch.compiler.cudagraph_mark_step_begin()
-                step_pos = torch.tensor([pos_host], device=self.device)
                 nxt = self._decode(self.model, token, step_pos, params,
                                    kv_len=pos_host + 1 if eager else None,
                                    block_mask=self.block_mask)
                 nxt = nxt.clone()  # CUDA graph outputs are overwritten by the next replay
+                step_pos = step_pos + 1
             if ready is not None:
                 ready.synchronize()
             value = int(host.item())
