@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from .kernels import attention as attention_kernel
 from .kernels import gemv
 
 
@@ -133,8 +134,8 @@ class KVCache(nn.Module):
     """Preallocated keys and values, (B, n_kv_heads, max_seq_length, head_dim) each.
 
     With int8=True they are stored as int8 with one scale per position and head
-    (half the memory, for long contexts) and handed to attention dequantized;
-    that costs time, not saves it, until an attention kernel reads int8 itself."""
+    (half the memory, for long contexts). The decode attention kernel reads the
+    codes as they are; other paths (prefill, CPUs) read them dequantized."""
 
     def __init__(self, batch, n_kv_heads, max_seq_length, head_dim, dtype, device, int8=False):
         super().__init__()
@@ -147,22 +148,34 @@ class KVCache(nn.Module):
                 self.register_buffer(name + "_scale", torch.zeros(shape[:-1] + (1,), dtype=dtype, device=device),
                                      persistent=False)
 
-    def update(self, input_pos, k, v, length: int | None = None):
-        """Write k, v at input_pos; return the first `length` positions (None: all)."""
+    def write(self, input_pos, k, v):
+        """Store k, v (B, Hkv, T, D) at positions input_pos (T,)."""
         # index_copy_ with a tensor of positions keeps shapes static for CUDA graphs.
         if self.k.dtype != torch.int8:
             self.k.index_copy_(2, input_pos, k)
             self.v.index_copy_(2, input_pos, v)
-            return self.k[:, :, :length], self.v[:, :, :length]
-        out = []
+            return
         for name, new in (("k", k), ("v", v)):
             new = new.float()
             scale = new.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
             getattr(self, name).index_copy_(2, input_pos, torch.round(new / scale).to(torch.int8))
             getattr(self, name + "_scale").index_copy_(2, input_pos, scale.to(self.dtype))
-            q, s = getattr(self, name)[:, :, :length], getattr(self, name + "_scale")[:, :, :length]
-            out.append(q.to(self.dtype) * s)
-        return tuple(out)
+
+    def update(self, input_pos, k, v, length: int | None = None):
+        """Write k, v at input_pos; return the first `length` positions (None: all),
+        dequantized if int8."""
+        self.write(input_pos, k, v)
+        if self.k.dtype != torch.int8:
+            return self.k[:, :, :length], self.v[:, :, :length]
+        return tuple(getattr(self, name)[:, :, :length].to(self.dtype) * getattr(self, name + "_scale")[:, :, :length]
+                     for name in ("k", "v"))
+
+    def decode_attention(self, q, input_pos):
+        """Attention of one query (1, H, 1, D) at input_pos over positions
+        0..input_pos, by the Triton kernel, reading int8 codes as they are."""
+        if self.k.dtype == torch.int8:
+            return attention_kernel.decode_attention(q, self.k, self.v, input_pos, self.k_scale, self.v_scale)
+        return attention_kernel.decode_attention(q, self.k, self.v, input_pos)
 
 
 class Linear(nn.Linear):
@@ -196,6 +209,10 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if attention_kernel.supported(x.device, B, T, self.head_dim):  # one token on a GPU
+            self.kv_cache.write(input_pos, k, v)
+            y = self.kv_cache.decode_attention(q, input_pos)
+            return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
         flex = isinstance(mask, BlockMask)  # compiled decode: skips the cache blocks not yet filled
         k, v = self.kv_cache.update(input_pos, k, v, None if flex else mask.shape[-1])  # (B, Hkv, S, D)
         gqa = self.n_heads != self.n_kv_heads
@@ -268,10 +285,12 @@ class Transformer(nn.Module):
         """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
         or (B, 1, V) for the last position only when last_only is set (prefill).
 
-        Attention reads only the filled part of the cache: eager callers pass
-        kv_len (known on the host); compiled decode steps pass a one-row
-        block_mask (see decode_block_mask), whose flex-attention kernel skips
-        the empty blocks. With neither, attention covers the whole cache, masked."""
+        Attention reads only the filled part of the cache. One token on a GPU
+        goes through the decode attention kernel (kernels/attention.py), which
+        reads the length on the device. Otherwise eager callers pass kv_len
+        (known on the host) and compiled decode steps a one-row block_mask
+        (see decode_block_mask), whose flex-attention kernel skips the empty
+        blocks; with neither, attention covers the whole cache, masked."""
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         if block_mask is not None:
             mask = block_mask

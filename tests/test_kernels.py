@@ -109,3 +109,65 @@ def test_gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes():
 def test_quantized_model_through_the_kernels_matches_its_dequantized_weights():
     out = run_interpreted(MODEL_CHILD)
     assert out.split() == ["int8", "ok", "fp8", "ok", "int4", "ok"]
+
+
+ATTENTION_CHILD = r"""
+import math, torch
+from brisklm.kernels.attention import decode_attention, num_splits
+torch.manual_seed(0)
+# (query heads, KV heads, head dim, cache length, dtype, int8 cache): groups of
+# 1, 3 (SmolLM2) and 4 (Llama-3); one slice and several (num_splits).
+CASES = [(8, 2, 64, 200, torch.float32, False), (9, 3, 64, 300, torch.bfloat16, False),
+         (8, 2, 128, 3000, torch.bfloat16, False), (8, 2, 128, 700, torch.bfloat16, True),
+         (4, 4, 32, 100, torch.float32, True)]
+assert {num_splits(c[3]) for c in CASES} == {1, 2, 4, 16}
+for h, hkv, d, S, dtype, int8 in CASES:
+    k, v, q = torch.randn(1, hkv, S, d).to(dtype), torch.randn(1, hkv, S, d).to(dtype), torch.randn(1, h, 1, d).to(dtype)
+    if int8:
+        ks, vs = ((t.float().abs().amax(-1, keepdim=True) / 127).to(dtype) for t in (k, v))
+        kq, vq = (torch.round(t.float() / s.float()).to(torch.int8) for t, s in ((k, ks), (v, vs)))
+        kd, vd = kq.double() * ks.double(), vq.double() * vs.double()
+    else:
+        kd, vd = k.double(), v.double()
+    for pos in (0, 1, 63, 64, S // 2 + 3, S - 1):
+        ip = torch.tensor([pos])
+        y = decode_attention(q, kq, vq, ip, ks, vs) if int8 else decode_attention(q, k, v, ip)
+        assert y.shape == q.shape and y.dtype == dtype
+        kk, vv = (t[0, :, :pos + 1].repeat_interleave(h // hkv, 0) for t in (kd, vd))
+        ref = torch.softmax(q.double()[0] @ kk.transpose(1, 2) / math.sqrt(d), -1) @ vv
+        err = ((y.double()[0] - ref).norm() / ref.norm()).item()
+        # fp32 to rounding; bf16 to its output rounding (2^-8 relative, at most)
+        assert err < (1e-6 if dtype == torch.float32 else 4e-3), (h, hkv, d, S, int8, pos, err)
+print("attention ok")
+"""
+
+MODEL_ATTENTION_CHILD = r"""
+import torch
+from brisklm.kernels import attention
+from brisklm.model import ModelArgs, build_model, random_state_dict
+args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+model = build_model(args, random_state_dict(args, torch.float32, std=0.1))
+kernel_supported = attention.supported
+for kv_int8 in (False, True):
+    outputs = []
+    for use_kernel in (True, False):
+        attention.supported = kernel_supported if use_kernel else (lambda *a: False)
+        model.setup_caches(1, 300, kv_int8)  # two slices
+        with torch.no_grad():
+            logits = [model(torch.tensor([[1, 5, 9, 3, 7]]), torch.arange(5))]
+            for pos in range(5, 9):  # decode: one token at a time
+                logits.append(model(logits[-1][:, -1:].argmax(-1), torch.tensor([pos]), kv_len=pos + 1))
+        outputs.append(torch.cat(logits, 1))
+    err = ((outputs[0] - outputs[1]).norm() / outputs[1].norm()).item()
+    assert err < 1e-5, (kv_int8, err)
+print("model ok")
+"""
+
+
+def test_decode_attention_kernel_matches_fp64():
+    assert "attention ok" in run_interpreted(ATTENTION_CHILD)
+
+
+def test_model_decodes_the_same_through_the_attention_kernel():
+    assert "model ok" in run_interpreted(MODEL_ATTENTION_CHILD)
