@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py [--gguf SmolLM2.gguf]
 
-1. the compiled decode step on CUDA (one CUDA graph, flex attention over the
-   filled cache blocks) and the compiled dynamic-shape prefill give exactly
-   the greedy tokens of eager decoding, on a tiny fp32 model, with prompts
-   that cross the 128-position block boundaries;
+1. the compiled decode step on CUDA (one CUDA graph, the decode attention
+   kernel over the filled positions) and the compiled dynamic-shape prefill
+   give exactly the greedy tokens of eager decoding, on a tiny fp32 model,
+   with prompts that cross the kernel's block boundaries; and eager decoding
+   through the kernel gives those of eager decoding through SDPA;
 2. `brisk generate --preset llama-3.1-8b --compile` end to end through the CLI;
 3. with --gguf: the bundled SmolLM2 on CUDA, compiled, answers "Paris".
 
@@ -21,6 +22,7 @@ import sys
 import torch
 
 from brisklm.generate import Generator
+from brisklm.kernels import attention
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams
 
@@ -35,8 +37,15 @@ def check_compiled_equals_eager():
         eager = list(Generator(model, 512).tokens(prompt, 40, SamplingParams()))
         compiled = list(Generator(model, 512, compile=True, compile_prefill=True)
                         .tokens(prompt, 40, SamplingParams()))
-        rows.append((prompt_len, eager == compiled))
-        print(f"compiled == eager, prompt {prompt_len}: {eager == compiled}", flush=True)
+        kernel_supported = attention.supported  # eager decode once more through SDPA
+        attention.supported = lambda *a: False
+        try:
+            sdpa = list(Generator(model, 512).tokens(prompt, 40, SamplingParams()))
+        finally:
+            attention.supported = kernel_supported
+        rows.append((prompt_len, eager == compiled, eager == sdpa))
+        print(f"prompt {prompt_len}: compiled == eager {eager == compiled}, kernel == SDPA {eager == sdpa}",
+              flush=True)
     return rows
 
 
@@ -57,7 +66,10 @@ def main():
     ap.add_argument("--gguf", default=None)
     opts = ap.parse_args()
     print("torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
-    table = [(f"compiled == eager greedy tokens, prompt {n}", ok) for n, ok in check_compiled_equals_eager()]
+    table = []
+    for n, compiled_ok, kernel_ok in check_compiled_equals_eager():
+        table += [(f"compiled == eager greedy tokens, prompt {n}", compiled_ok),
+                  (f"decode attention kernel == SDPA greedy tokens (eager), prompt {n}", kernel_ok)]
     rate, comp, _ = run_cli(["--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
                              "--max_new_tokens", "200", "--num_samples", "3"])
     table.append(("brisk generate --preset llama-3.1-8b --compile: tokens/s, compile s", f"{rate:.1f}, {comp:.1f}"))
