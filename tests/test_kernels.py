@@ -121,7 +121,9 @@ CASES = [(8, 2, 64, 200, torch.float32, False), (9, 3, 64, 300, torch.bfloat16, 
          (8, 2, 128, 3000, torch.bfloat16, False), (8, 2, 128, 700, torch.bfloat16, True),
          (4, 4, 32, 100, torch.float32, True)]
 assert {num_splits(c[3]) for c in CASES} == {1, 2, 4, 16}
-for h, hkv, d, S, dtype, int8 in CASES:
+CASES = [c + (None,) for c in CASES] + [(8, 2, 128, 3000, torch.bfloat16, False, 100),  # sliding windows
+                                        (4, 4, 32, 300, torch.float32, True, 1), (9, 3, 64, 300, torch.float32, False, 70)]
+for h, hkv, d, S, dtype, int8, window in CASES:
     k, v, q = torch.randn(1, hkv, S, d).to(dtype), torch.randn(1, hkv, S, d).to(dtype), torch.randn(1, h, 1, d).to(dtype)
     if int8:
         ks, vs = ((t.float().abs().amax(-1, keepdim=True) / 127).to(dtype) for t in (k, v))
@@ -131,13 +133,14 @@ for h, hkv, d, S, dtype, int8 in CASES:
         kd, vd = k.double(), v.double()
     for pos in (0, 1, 63, 64, S // 2 + 3, S - 1):
         ip = torch.tensor([pos])
-        y = decode_attention(q, kq, vq, ip, ks, vs) if int8 else decode_attention(q, k, v, ip)
+        y = decode_attention(q, kq, vq, ip, ks, vs, window) if int8 else decode_attention(q, k, v, ip, window=window)
         assert y.shape == q.shape and y.dtype == dtype
-        kk, vv = (t[0, :, :pos + 1].repeat_interleave(h // hkv, 0) for t in (kd, vd))
+        lo = max(0, pos + 1 - window) if window else 0
+        kk, vv = (t[0, :, lo:pos + 1].repeat_interleave(h // hkv, 0) for t in (kd, vd))
         ref = torch.softmax(q.double()[0] @ kk.transpose(1, 2) / math.sqrt(d), -1) @ vv
         err = ((y.double()[0] - ref).norm() / ref.norm()).item()
         # fp32 to rounding; bf16 to its output rounding (2^-8 relative, at most)
-        assert err < (1e-6 if dtype == torch.float32 else 4e-3), (h, hkv, d, S, int8, pos, err)
+        assert err < (1e-6 if dtype == torch.float32 else 4e-3), (h, hkv, d, S, int8, window, pos, err)
 print("attention ok")
 """
 

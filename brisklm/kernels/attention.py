@@ -50,14 +50,15 @@ if triton is not None:
         return m_new, denom, acc
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, WINDOW,
                       QK_SCALE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                       INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
         kv_head, split = tl.program_id(0), tl.program_id(1)
         length = tl.load(pos_ptr) + 1
-        blocks_per_split = tl.cdiv(tl.cdiv(length, BLOCK_S), NUM_SPLITS)
-        first = split * blocks_per_split * BLOCK_S
+        lo = tl.maximum(length - WINDOW, 0)  # the first position a sliding window keeps
+        blocks_per_split = tl.cdiv(tl.cdiv(length - lo, BLOCK_S), NUM_SPLITS)
+        first = lo + split * blocks_per_split * BLOCK_S
         end = tl.minimum(first + blocks_per_split * BLOCK_S, length)
         g, d, s = tl.arange(0, G_PAD), tl.arange(0, D), tl.arange(0, BLOCK_S)
         heads = kv_head * G + g
@@ -111,7 +112,7 @@ def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> b
             and head_dim & (head_dim - 1) == 0)
 
 
-def _launch(q, k, v, k_scale, v_scale, input_pos, launch):
+def _launch(q, k, v, k_scale, v_scale, input_pos, window, launch):
     _, n_heads, _, d = q.shape
     n_kv, max_len = k.shape[1], k.shape[2]
     group = n_heads // n_kv
@@ -125,7 +126,7 @@ def _launch(q, k, v, k_scale, v_scale, input_pos, launch):
     max_blocks = triton.cdiv(triton.cdiv(max_len, block), splits)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     launch(_split_kernel)[(n_kv, splits)](
-        q, k, v, *scales, input_pos, partial, lse, max_len, n_heads,
+        q, k, v, *scales, input_pos, partial, lse, max_len, n_heads, min(window or max_len, max_len),
         QK_SCALE=1.4426950408889634 / math.sqrt(d),  # softmax in base 2
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
         NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
@@ -142,19 +143,20 @@ if triton is not None and hasattr(torch.library, "triton_op"):
 
     @triton_op("brisklm::decode_attention", mutates_args={})
     def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
-                             v_scale: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        return _launch(q, k, v, k_scale, v_scale, input_pos, wrap_triton)
+                             v_scale: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
+        return _launch(q, k, v, k_scale, v_scale, input_pos, window, wrap_triton)
 
 
-def decode_attention(q, k, v, input_pos, k_scale=None, v_scale=None) -> torch.Tensor:
+def decode_attention(q, k, v, input_pos, k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
     """Causal attention of one query token at position input_pos (shape (1,))
-    over the cache's positions 0..input_pos.
+    over the cache's positions 0..input_pos (with a sliding window, the last
+    `window` of them).
 
     q: (1, H, 1, D); k, v: (1, Hkv, S, D) in q's dtype, or int8 codes with
     k_scale, v_scale (1, Hkv, S, 1). Returns (1, H, 1, D) in q's dtype."""
     k_scale = k if k_scale is None else k_scale
     v_scale = v if v_scale is None else v_scale
-    args = (q.contiguous(), k, v, k_scale, v_scale, input_pos)
+    args = (q.contiguous(), k, v, k_scale, v_scale, input_pos, window or 0)
     if q.is_cuda and hasattr(torch.library, "triton_op"):
         return _decode_attention_op(*args)
     return _launch(*args, _direct)
