@@ -155,7 +155,7 @@ def hf_peer_figures(llm, prompt_len, new_tokens, samples):
     import transformers
     args, device = llm.model.args, llm.generator.device
     config = transformers.LlamaConfig(**{k: v for k, v in args.to_dict().items()
-                                         if k not in ("num_local_experts", "num_experts_per_tok")})
+                                         if k not in ("num_local_experts", "num_experts_per_tok", "sliding_window")})
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     state = _to_hf_state_dict(args, dict(llm.model.state_dict()))

@@ -96,7 +96,7 @@ class Generator:
         self.block_mask = None
         if compile:
             if not attention_kernel.supported(self.device, 1, 1, model.args.head_dim):
-                self.block_mask = causal_block_mask(max_seq_length, self.device)
+                self.block_mask = causal_block_mask(max_seq_length, self.device, model.args.sliding_window)
             # Inductor options apply to this function only (no global flags); on
             # CUDA the step becomes one CUDA graph ("triton.cudagraphs").
             options = {"triton.cudagraphs": self.device.type == "cuda", **(compile_options or {})}

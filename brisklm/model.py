@@ -44,6 +44,8 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
+    # Mistral-7B-v0.1: a query sees only the last sliding_window positions (itself included).
+    sliding_window: int | None = None
     # Mixture of experts (Mixtral) is a block choice; 0 means a dense MLP.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
@@ -65,6 +67,8 @@ class ModelArgs:
                 f"num_key_value_heads={self.num_key_value_heads}")
         if self.num_local_experts:
             raise ValueError("mixture-of-experts models are not supported yet")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
@@ -81,6 +85,12 @@ class ModelArgs:
             scaling = dict(scaling)
             scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
             config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+        if config.get("use_sliding_window") is False:  # Qwen2 lists a window it does not use
+            config.pop("sliding_window", None)
+        elif config.get("use_sliding_window") and config.get("max_window_layers", 0) < config.get(
+                "num_hidden_layers", 0):
+            raise ValueError("sliding windows on some layers only (use_sliding_window with "
+                             "max_window_layers) are not supported")
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names and v is not None})
 
@@ -170,12 +180,13 @@ class KVCache(nn.Module):
         return tuple(getattr(self, name)[:, :, :length].to(self.dtype) * getattr(self, name + "_scale")[:, :, :length]
                      for name in ("k", "v"))
 
-    def decode_attention(self, qkv, cos, sin, input_pos):
+    def decode_attention(self, qkv, cos, sin, input_pos, window: int | None = None):
         """One new token, by the Triton kernel: RoPE, its key and value stored at
-        input_pos, attention over positions 0..input_pos. Returns (1, 1, H * D)."""
-        scales = (self.k_scale, self.v_scale) if self.k.dtype == torch.int8 else ()
+        input_pos, attention over positions 0..input_pos (the last `window` of
+        them). Returns (1, 1, H * D)."""
+        scales = (self.k_scale, self.v_scale) if self.k.dtype == torch.int8 else (None, None)
         return attention_kernel.decode_attention(qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1),
-                                                 self.k, self.v, input_pos, *scales)
+                                                 self.k, self.v, input_pos, *scales, window=window)
 
 
 class Linear(nn.Linear):
@@ -200,13 +211,14 @@ class Attention(nn.Module):
         self.wqkv = Linear(args.hidden_size, qkv_dim, bias=args.attention_bias)
         self.wo = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
         self.kv_cache: KVCache | None = None
+        self.window = args.sliding_window
 
     def forward(self, x, cos, sin, mask, input_pos):
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         qkv = self.wqkv(x)
         if attention_kernel.supported(x.device, B, T, self.head_dim):  # one token on a GPU
-            return self.wo(self.kv_cache.decode_attention(qkv, cos, sin, input_pos))
+            return self.wo(self.kv_cache.decode_attention(qkv, cos, sin, input_pos, self.window))
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -293,9 +305,11 @@ class Transformer(nn.Module):
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         if block_mask is not None:
             mask = block_mask
-        else:  # causal: the query at position p sees keys 0..p
+        else:  # causal: the query at position p sees keys 0..p (the last sliding_window of them)
             keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
             mask = keys[None, :] <= input_pos[:, None]  # (T, S)
+            if self.args.sliding_window:
+                mask &= keys[None, :] > input_pos[:, None] - self.args.sliding_window
         x = self.tok_embeddings(idx)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
@@ -304,13 +318,17 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)).float()
 
 
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
+def causal_block_mask(max_seq_length: int, device, window: int | None = None) -> BlockMask:
+    """The causal mask over the whole cache, in blocks (made once per cache);
+    with a window, a query sees only the last `window` positions."""
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
 
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
-def causal_block_mask(max_seq_length: int, device) -> BlockMask:
-    """The causal mask over the whole cache, in blocks (made once per cache)."""
-    return create_block_mask(_causal, None, None, max_seq_length, max_seq_length, device=device)
+    return create_block_mask(sliding if window else causal, None, None, max_seq_length, max_seq_length,
+                             device=device)
 
 
 def decode_block_mask(block_mask: BlockMask, input_pos: torch.Tensor) -> BlockMask:

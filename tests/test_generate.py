@@ -95,6 +95,16 @@ def test_compiled_decode_step_equals_eager():
     assert compiled == eager
 
 
+def test_sliding_window_decoding_equals_recomputation_eager_and_compiled():
+    args = ModelArgs(**{**TINY.to_dict(), "sliding_window": 4})
+    model = tiny_model(args=args)
+    expected = reference_greedy(model, [1, 2, 3, 4, 5, 6], 12)  # the dense mask
+    eager = list(Generator(model, 64).tokens([1, 2, 3, 4, 5, 6], 12, GREEDY))
+    compiled = list(Generator(model, 64, compile=True).tokens([1, 2, 3, 4, 5, 6], 12, GREEDY))  # flex
+    assert eager == expected and compiled == expected
+    assert expected != reference_greedy(tiny_model(), [1, 2, 3, 4, 5, 6], 12)  # the window matters
+
+
 def decode_logits(model, ids, steps, kv_int8):
     """Logits of a prefill of ids and `steps` greedy decode steps, one cache."""
     model.setup_caches(1, 64, kv_int8)

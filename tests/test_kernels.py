@@ -122,7 +122,9 @@ CASES = [(8, 2, 64, 200, torch.float32, False), (9, 3, 64, 300, torch.bfloat16, 
          (8, 2, 128, 3000, torch.bfloat16, False), (8, 2, 128, 700, torch.bfloat16, True),
          (4, 4, 32, 100, torch.float32, True)]
 assert {num_splits(c[3]) for c in CASES} == {1, 2, 4, 16}
-for h, hkv, d, S, dtype, int8 in CASES:
+CASES = [c + (None,) for c in CASES] + [(8, 2, 128, 3000, torch.bfloat16, False, 100),  # sliding windows
+                                        (4, 4, 32, 300, torch.float32, True, 1), (9, 3, 64, 300, torch.float32, False, 70)]
+for h, hkv, d, S, dtype, int8, window in CASES:
     cache = KVCache(1, hkv, S, d, dtype, "cpu", int8)
     cache.write(torch.arange(S), torch.randn(1, hkv, S, d).to(dtype), torch.randn(1, hkv, S, d).to(dtype))
     for pos in (0, 1, 63, 64, S // 2 + 3, S - 1):
@@ -136,7 +138,7 @@ for h, hkv, d, S, dtype, int8 in CASES:
         ref.write(torch.tensor([pos]), k, v)
         ip = torch.tensor([pos])
         scales = (cache.k_scale, cache.v_scale) if int8 else ()
-        y = decode_attention(qkv, cos, sin, cache.k, cache.v, ip, *scales)
+        y = decode_attention(qkv, cos, sin, cache.k, cache.v, ip, *scales, window=window)
         assert y.shape == (1, 1, h * d) and y.dtype == dtype
         for name in ("k", "v") + (("k_scale", "v_scale") if int8 else ()):  # the new token, stored
             codes = getattr(cache, name).dtype == torch.int8
@@ -149,7 +151,8 @@ for h, hkv, d, S, dtype, int8 in CASES:
                 # truncated keys, truncated again, are up to two bf16 steps apart
                 assert ((a - b).abs() <= b.abs() * 2 ** -6).all(), (name, pos)
         # attention over what the kernel stored (checked against the model's write above)
-        ks, vs = ((getattr(cache, n)[:, :, :pos + 1].double() * (getattr(cache, n + "_scale")[:, :, :pos + 1].double()
+        lo = max(0, pos + 1 - window) if window else 0
+        ks, vs = ((getattr(cache, n)[:, :, lo:pos + 1].double() * (getattr(cache, n + "_scale")[:, :, lo:pos + 1].double()
                    if int8 else 1)) for n in ("k", "v"))
         kk, vv = (t[0].repeat_interleave(h // hkv, 0) for t in (ks, vs))
         expect = torch.softmax(q.double()[0] @ kk.transpose(1, 2) / math.sqrt(d), -1) @ vv  # (H, 1, D)

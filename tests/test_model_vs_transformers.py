@@ -30,6 +30,8 @@ CASES = {
                                        rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mistral-gqa": ("MistralConfig", "MistralForCausalLM",
                     dict(BASE, num_key_value_heads=2, rope_theta=1e6, sliding_window=None)),
+    "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM",  # binds from the 7th token
+                               dict(BASE, num_key_value_heads=2, rope_theta=1e6, sliding_window=6)),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM",
                    dict(BASE, num_key_value_heads=2, tie_word_embeddings=False)),
 }

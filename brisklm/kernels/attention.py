@@ -72,14 +72,15 @@ if triton is not None:
         return (x + 12582912.0) - 12582912.0
 
     @triton.jit
-    def _split_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H,
+    def _split_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, WINDOW,
                       QK_SCALE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                       INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
         kv_head, split = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr)  # the new token's; the cache holds positions 0..pos-1
-        blocks_per_split = tl.cdiv(tl.cdiv(pos + 1, BLOCK_S), NUM_SPLITS)
-        first = split * blocks_per_split * BLOCK_S
+        lo = tl.maximum(pos + 1 - WINDOW, 0)  # the first position a sliding window keeps
+        blocks_per_split = tl.cdiv(tl.cdiv(pos + 1 - lo, BLOCK_S), NUM_SPLITS)
+        first = lo + split * blocks_per_split * BLOCK_S
         end = tl.minimum(first + blocks_per_split * BLOCK_S, pos + 1)
         g, half, s = tl.arange(0, G_PAD), tl.arange(0, D // 2), tl.arange(0, BLOCK_S)
         heads = kv_head * G + g
@@ -172,7 +173,7 @@ def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> b
             and head_dim & (head_dim - 1) == 0)
 
 
-def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, launch):
+def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
     n_kv, max_len, d = k.shape[1:]
     n_heads = qkv.numel() // d - 2 * n_kv
     group = n_heads // n_kv
@@ -186,6 +187,7 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, launch):
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     launch(_split_kernel)[(n_kv, splits)](
         qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads,
+        min(window or max_len, max_len),
         QK_SCALE=1.4426950408889634 / math.sqrt(d),  # softmax in base 2
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
         NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
@@ -200,20 +202,21 @@ if triton is not None and hasattr(torch.library, "triton_op"):
 
     @triton_op("brisklm::decode_attention", mutates_args={"k", "v"})
     def _decode_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, wrap_triton)  # no scales to read
+                             v: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, wrap_triton)  # no scales to read
 
     @triton_op("brisklm::decode_attention_int8", mutates_args={"k", "v", "k_scale", "v_scale"})
     def _decode_attention_int8_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                                  input_pos: torch.Tensor) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, wrap_triton)
+                                  input_pos: torch.Tensor, window: int) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, wrap_triton)
 
 
-def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None) -> torch.Tensor:
+def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
+                     window: int | None = None) -> torch.Tensor:
     """One new token's attention: RoPE on its query and key, its key and value
     stored in the cache at input_pos (shape (1,)), then causal attention over
-    positions 0..input_pos.
+    positions 0..input_pos (with a sliding window, the last `window` of them).
 
     qkv: the token's projections (H + 2 Hkv) * D, q heads, then k, then v,
     before RoPE; cos, sin: (D/2,) fp32 for input_pos; k, v: the cache
@@ -221,10 +224,11 @@ def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None)
     (1, Hkv, S, 1), written in place. Returns (1, 1, H * D) in qkv's dtype."""
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     ops = qkv.is_cuda and hasattr(torch.library, "triton_op")
+    window = window or 0
     if k_scale is None:
         if ops:
-            return _decode_attention_op(qkv, cos, sin, k, v, input_pos)
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, _direct)
+            return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window)
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, _direct)
     if ops:
-        return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos)
-    return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, _direct)
+        return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window)
+    return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, _direct)
