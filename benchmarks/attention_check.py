@@ -16,6 +16,7 @@ import math
 import torch
 
 from brisklm.kernels.attention import decode_attention, num_splits
+from gemv_sweep import time_us  # a CUDA graph of the calls, best of 3
 from brisklm.model import KVCache, apply_rope
 
 
@@ -57,25 +58,12 @@ def check(h, hkv, d, S, int8):
     return worst, worst_store
 
 
-def time_us(h, hkv, d, S, int8, length, reps=50):
+def kernel_us(h, hkv, d, S, int8, length):
     cache = make(h, hkv, d, S, int8)
     qkv = torch.randn((h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
     cos, sin = torch.rand(d // 2, device="cuda"), torch.rand(d // 2, device="cuda")
     pos = torch.tensor([length - 1], device="cuda")
-    call(cache, qkv, cos, sin, pos)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call(cache, qkv, cos, sin, pos)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
+    return time_us([lambda: call(cache, qkv, cos, sin, pos)], reps=50)
 
 
 def main():
@@ -91,7 +79,7 @@ def main():
     print("\n| kv | cache size | filled | us | GB/s of the filled cache |\n| --- | --- | --- | --- | --- |")
     for int8 in (False, True):
         for S, length in ((256, 5), (33000, 5), (33000, 1024), (33000, 8192), (33000, 32768)):
-            us = time_us(32, 8, 128, S, int8, length)
+            us = kernel_us(32, 8, 128, S, int8, length)
             per_pos = 2 * 8 * 128 * (1 if int8 else 2) + (2 * 8 * 2 if int8 else 0)
             print(f"| {'int8' if int8 else 'bf16'} | {S} | {length} | {us:.1f} | "
                   f"{per_pos * length / us / 1e3:.0f} |", flush=True)

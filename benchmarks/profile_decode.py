@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from brisklm.presets import preset
 from brisklm.sampling import SamplingParams
+from gemv_sweep import time_us  # a CUDA graph of the calls, best of 3
 
 
 def gemv_bandwidth(out_features, in_features, copies_bytes=1.2e9, reps=20):
@@ -26,21 +27,7 @@ def gemv_bandwidth(out_features, in_features, copies_bytes=1.2e9, reps=20):
     ws = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
           for _ in range(n)]
     x = torch.randn(1, in_features, device="cuda", dtype=torch.bfloat16)
-    for w in ws:
-        F.linear(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            F.linear(x, ws[i % n])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / (5 * reps)
+    seconds = time_us([lambda w=w: F.linear(x, w) for w in ws], reps) / 1e6
     del ws
     return w_bytes / seconds / 1e9, seconds * 1e6
 
