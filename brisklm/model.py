@@ -85,10 +85,13 @@ class ModelArgs:
             scaling = dict(scaling)
             scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
             config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
-        if config.get("use_sliding_window") is False:  # Qwen2 lists a window it does not use
+        # Qwen2 lists a window it uses only with use_sliding_window, and then on
+        # layers from max_window_layers on (as transformers reads it).
+        qwen2 = config.get("model_type") == "qwen2"
+        first_layer = config.get("max_window_layers", 0) if qwen2 or "max_window_layers" in config else 0
+        if not config.get("use_sliding_window", not qwen2) or first_layer >= config.get("num_hidden_layers", 1):
             config.pop("sliding_window", None)
-        elif config.get("use_sliding_window") and config.get("max_window_layers", 0) < config.get(
-                "num_hidden_layers", 0):
+        elif first_layer > 0:
             raise ValueError("sliding windows on some layers only (use_sliding_window with "
                              "max_window_layers) are not supported")
         names = {f.name for f in fields(cls)}

@@ -247,6 +247,23 @@ def test_hf_config_field_of_the_wrong_type_is_named(hf_folder, tmp_path):
     brisk_error(e, config, "hidden_size")
 
 
+def test_hf_sliding_window_on_some_layers_only_is_refused(hf_folder, tmp_path):
+    folder = copy_of(hf_folder, tmp_path)
+    config = os.path.join(folder, "config.json")
+    edit_json(config, lambda c: c.update(sliding_window=8, use_sliding_window=True, max_window_layers=1))
+    with pytest.raises(BriskError) as e:
+        load(folder)
+    brisk_error(e, config, "sliding windows on some layers only")
+    # as transformers reads Qwen2: a window that is off, or on no layer, is dropped;
+    # one on every layer (from layer 0) is kept
+    edit_json(config, lambda c: c.update(use_sliding_window=False))
+    assert load(folder).args.sliding_window is None
+    edit_json(config, lambda c: c.update(use_sliding_window=True, max_window_layers=c["num_hidden_layers"]))
+    assert load(folder).args.sliding_window is None
+    edit_json(config, lambda c: c.update(max_window_layers=0))
+    assert load(folder).args.sliding_window == 8
+
+
 def test_hf_missing_tensor_is_named(hf_folder, tmp_path):
     folder = copy_of(hf_folder, tmp_path)
     edit_safetensors(os.path.join(folder, "model.safetensors"),

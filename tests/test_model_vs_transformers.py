@@ -32,6 +32,9 @@ CASES = {
                     dict(BASE, num_key_value_heads=2, rope_theta=1e6, sliding_window=None)),
     "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM",  # binds from the 7th token
                                dict(BASE, num_key_value_heads=2, rope_theta=1e6, sliding_window=6)),
+    "qwen2-sliding-window-every-layer": ("Qwen2Config", "Qwen2ForCausalLM",
+                                         dict(BASE, num_key_value_heads=2, use_sliding_window=True,
+                                              sliding_window=6, max_window_layers=0)),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM",
                    dict(BASE, num_key_value_heads=2, tie_word_embeddings=False)),
 }
