@@ -122,11 +122,10 @@ def _launch(q, k, v, k_scale, v_scale, input_pos, window, launch):
     out = torch.empty((1, n_heads, 1, d), device=q.device, dtype=dtype)
     partial = out if splits == 1 else torch.empty((splits, n_heads, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((splits, n_heads), device=q.device, dtype=torch.float32)
-    scales = (k_scale, v_scale) if int8 else (k, v)  # not read without int8
     max_blocks = triton.cdiv(triton.cdiv(max_len, block), splits)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     launch(_split_kernel)[(n_kv, splits)](
-        q, k, v, *scales, input_pos, partial, lse, max_len, n_heads, min(window or max_len, max_len),
+        q, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads, min(window or max_len, max_len),
         QK_SCALE=1.4426950408889634 / math.sqrt(d),  # softmax in base 2
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
         NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
@@ -154,7 +153,7 @@ def decode_attention(q, k, v, input_pos, k_scale=None, v_scale=None, window: int
 
     q: (1, H, 1, D); k, v: (1, Hkv, S, D) in q's dtype, or int8 codes with
     k_scale, v_scale (1, Hkv, S, 1). Returns (1, H, 1, D) in q's dtype."""
-    k_scale = k if k_scale is None else k_scale
+    k_scale = k if k_scale is None else k_scale  # not read without int8
     v_scale = v if v_scale is None else v_scale
     args = (q.contiguous(), k, v, k_scale, v_scale, input_pos, window or 0)
     if q.is_cuda and hasattr(torch.library, "triton_op"):
