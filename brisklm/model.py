@@ -87,9 +87,9 @@ class ModelArgs:
             config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
         # Qwen2 lists a window it uses only with use_sliding_window, and then on
         # layers from max_window_layers on (as transformers reads it).
-        qwen2 = config.get("model_type") == "qwen2"
-        first_layer = config.get("max_window_layers", 0) if qwen2 or "max_window_layers" in config else 0
-        if not config.get("use_sliding_window", not qwen2) or first_layer >= config.get("num_hidden_layers", 1):
+        first_layer = config.get("max_window_layers", 0)
+        in_use = config.get("use_sliding_window", config.get("model_type") != "qwen2")
+        if not in_use or first_layer >= config.get("num_hidden_layers", 1):
             config.pop("sliding_window", None)
         elif first_layer > 0:
             raise ValueError("sliding windows on some layers only (use_sliding_window with "
@@ -227,12 +227,12 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        flex = isinstance(mask, BlockMask)  # compiled decode: skips the cache blocks not yet filled
-        k, v = self.kv_cache.update(input_pos, k, v, None if flex else mask.shape[-1])  # (B, Hkv, S, D)
         gqa = self.n_heads != self.n_kv_heads
-        if flex:
+        if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
+            k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
+            k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
 
@@ -310,9 +310,7 @@ class Transformer(nn.Module):
             mask = block_mask
         else:  # causal: the query at position p sees keys 0..p (the last sliding_window of them)
             keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
-            mask = keys[None, :] <= input_pos[:, None]  # (T, S)
-            if self.args.sliding_window:
-                mask &= keys[None, :] > input_pos[:, None] - self.args.sliding_window
+            mask = visible(input_pos[:, None], keys[None, :], self.args.sliding_window)  # (T, S)
         x = self.tok_embeddings(idx)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
@@ -321,17 +319,17 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)).float()
 
 
+def visible(q_pos, k_pos, window: int | None = None):
+    """Whether the query at q_pos attends to the key at k_pos: causal, and with
+    a sliding window only the last `window` positions (the query's included)."""
+    seen = k_pos <= q_pos
+    return seen & (q_pos - k_pos < window) if window else seen
+
+
 def causal_block_mask(max_seq_length: int, device, window: int | None = None) -> BlockMask:
-    """The causal mask over the whole cache, in blocks (made once per cache);
-    with a window, a query sees only the last `window` positions."""
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    def sliding(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-
-    return create_block_mask(sliding if window else causal, None, None, max_seq_length, max_seq_length,
-                             device=device)
+    """The causal (sliding-window) mask over the whole cache, in blocks (made once per cache)."""
+    return create_block_mask(lambda b, h, q_idx, kv_idx: visible(q_idx, kv_idx, window), None, None,
+                             max_seq_length, max_seq_length, device=device)
 
 
 def decode_block_mask(block_mask: BlockMask, input_pos: torch.Tensor) -> BlockMask:
