@@ -183,12 +183,13 @@ class KVCache(nn.Module):
         return tuple(getattr(self, name)[:, :, :length].to(self.dtype) * getattr(self, name + "_scale")[:, :, :length]
                      for name in ("k", "v"))
 
-    def decode_attention(self, q, input_pos, window: int | None = None):
-        """Attention of one query (1, H, 1, D) at input_pos over positions
-        0..input_pos (the last `window` of them), by the Triton kernel, reading
-        int8 codes as they are."""
+    def decode_attention(self, qkv, cos, sin, input_pos, window: int | None = None):
+        """One new token, by the Triton kernel: RoPE, its key and value stored at
+        input_pos, attention over positions 0..input_pos (the last `window` of
+        them). Returns (1, 1, H * D)."""
         scales = (self.k_scale, self.v_scale) if self.k.dtype == torch.int8 else (None, None)
-        return attention_kernel.decode_attention(q, self.k, self.v, input_pos, *scales, window=window)
+        return attention_kernel.decode_attention(qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1),
+                                                 self.k, self.v, input_pos, *scales, window=window)
 
 
 class Linear(nn.Linear):
@@ -218,16 +219,16 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, input_pos):
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        qkv = self.wqkv(x)
+        if attention_kernel.supported(x.device, B, T, self.head_dim):  # one token on a GPU
+            return self.wo(self.kv_cache.decode_attention(qkv, cos, sin, input_pos, self.window))
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
-        if attention_kernel.supported(x.device, B, T, self.head_dim):  # one token on a GPU
-            self.kv_cache.write(input_pos, k, v)
-            y = self.kv_cache.decode_attention(q, input_pos, self.window)
-        elif isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
+        if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:

@@ -11,6 +11,11 @@ positions not yet written cost nothing. With NUM_SPLITS > 1 each slice
 writes its normalized output and log-sum-exp, and a second kernel combines
 the slices that held positions.
 
+The kernel also does what came before attention: RoPE on the new query and
+key, and storing the new key and value in the cache (the slice that holds
+the new position does it, and attends to them from registers), so the
+projections go straight from the qkv GEMV to this kernel.
+
 The cache may hold int8 codes with a scale per position and head: the key
 scale multiplies the scores and the value scale the probabilities, so the
 codes go to the tensor cores as they are, widened only to bf16.
@@ -30,13 +35,18 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, ok, d, m, denom, acc,
-                QK_SCALE: tl.constexpr, INT8: tl.constexpr, F32: tl.constexpr):
-        """Online softmax over one block of positions (rows, masked by ok)."""
-        k = tl.load(k_ptr + rows[:, None] * d.shape[0] + d[None, :], mask=ok[:, None], other=0)
-        v = tl.load(v_ptr + rows[:, None] * d.shape[0] + d[None, :], mask=ok[:, None], other=0)
-        k, v = k.to(q.dtype), v.to(q.dtype)  # int8 codes are exact in bf16
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee" if F32 else None) * QK_SCALE
+    def _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, ok, m, denom, acc,
+                D: tl.constexpr, QK_SCALE: tl.constexpr, INT8: tl.constexpr, F32: tl.constexpr):
+        """Online softmax over one block of cached positions (rows, masked by ok).
+        Queries and keys come in halves, as RoPE rotates them."""
+        half, d = tl.arange(0, D // 2), tl.arange(0, D)
+        k_rows = k_ptr + rows[:, None] * D
+        k1 = tl.load(k_rows + half[None, :], mask=ok[:, None], other=0).to(q1.dtype)  # int8 is exact in bf16
+        k2 = tl.load(k_rows + D // 2 + half[None, :], mask=ok[:, None], other=0).to(q1.dtype)
+        v = tl.load(v_ptr + rows[:, None] * D + d[None, :], mask=ok[:, None], other=0).to(q1.dtype)
+        precision: tl.constexpr = "ieee" if F32 else None
+        scores = tl.dot(q1, tl.trans(k1), input_precision=precision)
+        scores = (scores + tl.dot(q2, tl.trans(k2), input_precision=precision)) * QK_SCALE
         if INT8:
             scores *= tl.load(ks_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
         scores = tl.where(ok[None, :], scores, float("-inf"))
@@ -46,42 +56,93 @@ if triton is not None:
         denom = denom * alpha + tl.sum(p, axis=1)
         if INT8:
             p *= tl.load(vs_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee" if F32 else None)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=precision)
         return m_new, denom, acc
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, WINDOW,
+    def _rope(x1, x2, cos, sin, dtype):
+        """The half-split rotation, in fp32, rounded to the model's dtype as the reference does."""
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+    @triton.jit
+    def _round(x):
+        """Round half to even, as torch.round (for |x| < 2**22): adding 1.5 * 2**23
+        leaves no fraction bits."""
+        return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _split_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, WINDOW,
                       QK_SCALE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                       INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
         kv_head, split = tl.program_id(0), tl.program_id(1)
-        length = tl.load(pos_ptr) + 1
-        lo = tl.maximum(length - WINDOW, 0)  # the first position a sliding window keeps
-        blocks_per_split = tl.cdiv(tl.cdiv(length - lo, BLOCK_S), NUM_SPLITS)
+        pos = tl.load(pos_ptr)  # the new token's; the cache holds positions 0..pos-1
+        lo = tl.maximum(pos + 1 - WINDOW, 0)  # the first position a sliding window keeps
+        blocks_per_split = tl.cdiv(tl.cdiv(pos + 1 - lo, BLOCK_S), NUM_SPLITS)
         first = lo + split * blocks_per_split * BLOCK_S
-        end = tl.minimum(first + blocks_per_split * BLOCK_S, length)
-        g, d, s = tl.arange(0, G_PAD), tl.arange(0, D), tl.arange(0, BLOCK_S)
+        end = tl.minimum(first + blocks_per_split * BLOCK_S, pos + 1)
+        g, half, s = tl.arange(0, G_PAD), tl.arange(0, D // 2), tl.arange(0, BLOCK_S)
         heads = kv_head * G + g
-        q = tl.load(q_ptr + heads[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+        dtype = qkv_ptr.dtype.element_ty
+        cos, sin = tl.load(cos_ptr + half), tl.load(sin_ptr + half)
+        q_ptrs = qkv_ptr + heads[:, None] * D + half[None, :]
+        q1, q2 = _rope(tl.load(q_ptrs, mask=(g < G)[:, None], other=0.0),
+                       tl.load(q_ptrs + D // 2, mask=(g < G)[:, None], other=0.0), cos[None, :], sin[None, :], dtype)
         if F32:  # fp32 models, and the interpreter (whose bf16 tl.dot is wrong)
-            q = q.to(tl.float32)
+            q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
         m = tl.full((G_PAD,), float("-inf"), tl.float32)
         denom = tl.zeros((G_PAD,), tl.float32)
         acc = tl.zeros((G_PAD, D), tl.float32)
         row0 = kv_head * S
+        cached_end = tl.minimum(end, pos)
         if INTERPRET:  # no runtime loop bounds there: a constant trip count, empty blocks skipped
             for i in range(MAX_BLOCKS):
                 start = first + i * BLOCK_S
-                if start < end:
-                    m, denom, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s, start + s < end,
-                                            d, m, denom, acc, QK_SCALE, INT8, F32)
+                if start < cached_end:
+                    m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
+                                            start + s < cached_end, m, denom, acc, D, QK_SCALE, INT8, F32)
         else:
-            for start in tl.range(first, end, BLOCK_S):
-                m, denom, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s, start + s < end,
-                                        d, m, denom, acc, QK_SCALE, INT8, F32)
+            for start in tl.range(first, cached_end, BLOCK_S):
+                m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
+                                        start + s < cached_end, m, denom, acc, D, QK_SCALE, INT8, F32)
+        if (first <= pos) & (pos < end):  # this slice holds the new token: store it, attend to it
+            k_ptrs = qkv_ptr + (H + kv_head) * D + half
+            k1, k2 = _rope(tl.load(k_ptrs), tl.load(k_ptrs + D // 2), cos, sin, dtype)
+            k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
+            d = tl.arange(0, D)
+            v = tl.load(qkv_ptr + (H + H // G + kv_head) * D + d).to(tl.float32)
+            cache_row = (row0 + pos) * D
+            if INT8:  # codes from the fp32 scale; the scale is kept in the model's dtype
+                k_scale = tl.maximum(tl.maximum(tl.max(tl.abs(k1), axis=0), tl.max(tl.abs(k2), axis=0)), 1e-8) / 127
+                v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-8) / 127
+                k1, k2, v = _round(k1 / k_scale), _round(k2 / k_scale), _round(v / v_scale)
+                tl.store(k_ptr + cache_row + half, k1.to(tl.int8))
+                tl.store(k_ptr + cache_row + D // 2 + half, k2.to(tl.int8))
+                tl.store(v_ptr + cache_row + d, v.to(tl.int8))
+                k_scale, v_scale = k_scale.to(dtype), v_scale.to(dtype)
+                tl.store(ks_ptr + row0 + pos, k_scale)
+                tl.store(vs_ptr + row0 + pos, v_scale)
+                # attend to what later steps will read back
+                k1 = (k1 * k_scale.to(tl.float32)).to(dtype).to(tl.float32)
+                k2 = (k2 * k_scale.to(tl.float32)).to(dtype).to(tl.float32)
+                v = (v * v_scale.to(tl.float32)).to(dtype).to(tl.float32)
+            else:
+                tl.store(k_ptr + cache_row + half, k1.to(dtype))
+                tl.store(k_ptr + cache_row + D // 2 + half, k2.to(dtype))
+                tl.store(v_ptr + cache_row + d, v.to(dtype))
+            score = tl.sum(q1.to(tl.float32) * k1[None, :], axis=1) + tl.sum(q2.to(tl.float32) * k2[None, :], axis=1)
+            score *= QK_SCALE
+            m_new = tl.maximum(m, score)
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(score - m_new)
+            denom = denom * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v[None, :]
+            m = m_new
         filled = denom > 0  # false in the slices past the filled length
         safe = tl.where(filled, denom, 1.0)
         out = acc / safe[:, None]
+        d = tl.arange(0, D)
         o_ptrs = o_ptr + (split * H + heads)[:, None] * D + d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
         if NUM_SPLITS > 1:  # natural log, for the combine
@@ -112,50 +173,62 @@ def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> b
             and head_dim & (head_dim - 1) == 0)
 
 
-def _launch(q, k, v, k_scale, v_scale, input_pos, window, launch):
-    _, n_heads, _, d = q.shape
-    n_kv, max_len = k.shape[1], k.shape[2]
+def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
+    n_kv, max_len, d = k.shape[1:]
+    n_heads = qkv.numel() // d - 2 * n_kv
     group = n_heads // n_kv
     splits, block = num_splits(max_len), 64
     int8 = k.dtype == torch.int8
-    dtype = q.dtype
-    out = torch.empty((1, n_heads, 1, d), device=q.device, dtype=dtype)
-    partial = out if splits == 1 else torch.empty((splits, n_heads, d), device=q.device, dtype=torch.float32)
-    lse = torch.empty((splits, n_heads), device=q.device, dtype=torch.float32)
+    dtype = qkv.dtype
+    out = torch.empty((1, 1, n_heads * d), device=qkv.device, dtype=dtype)
+    partial = out if splits == 1 else torch.empty((splits, n_heads, d), device=qkv.device, dtype=torch.float32)
+    lse = torch.empty((splits, n_heads), device=qkv.device, dtype=torch.float32)
     max_blocks = triton.cdiv(triton.cdiv(max_len, block), splits)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     launch(_split_kernel)[(n_kv, splits)](
-        q, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads, min(window or max_len, max_len),
+        qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads,
+        min(window or max_len, max_len),
         QK_SCALE=1.4426950408889634 / math.sqrt(d),  # softmax in base 2
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
         NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
-        INTERPRET=interpret,
-        num_warps=4)
+        INTERPRET=interpret, num_warps=4)
     if splits > 1:
-        launch(_combine_kernel)[(n_heads,)](partial, lse, out, n_heads, D=d, NUM_SPLITS=splits,
-                                            num_warps=4)
+        launch(_combine_kernel)[(n_heads,)](partial, lse, out, n_heads, D=d, NUM_SPLITS=splits, num_warps=4)
     return out
 
 
 if triton is not None and hasattr(torch.library, "triton_op"):
     from torch.library import triton_op, wrap_triton
 
-    @triton_op("brisklm::decode_attention", mutates_args={})
-    def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
-                             v_scale: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
-        return _launch(q, k, v, k_scale, v_scale, input_pos, window, wrap_triton)
+    @triton_op("brisklm::decode_attention", mutates_args={"k", "v"})
+    def _decode_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, wrap_triton)  # no scales to read
+
+    @triton_op("brisklm::decode_attention_int8", mutates_args={"k", "v", "k_scale", "v_scale"})
+    def _decode_attention_int8_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+                                  v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                                  input_pos: torch.Tensor, window: int) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, wrap_triton)
 
 
-def decode_attention(q, k, v, input_pos, k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
-    """Causal attention of one query token at position input_pos (shape (1,))
-    over the cache's positions 0..input_pos (with a sliding window, the last
-    `window` of them).
+def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
+                     window: int | None = None) -> torch.Tensor:
+    """One new token's attention: RoPE on its query and key, its key and value
+    stored in the cache at input_pos (shape (1,)), then causal attention over
+    positions 0..input_pos (with a sliding window, the last `window` of them).
 
-    q: (1, H, 1, D); k, v: (1, Hkv, S, D) in q's dtype, or int8 codes with
-    k_scale, v_scale (1, Hkv, S, 1). Returns (1, H, 1, D) in q's dtype."""
-    k_scale = k if k_scale is None else k_scale  # not read without int8
-    v_scale = v if v_scale is None else v_scale
-    args = (q.contiguous(), k, v, k_scale, v_scale, input_pos, window or 0)
-    if q.is_cuda and hasattr(torch.library, "triton_op"):
-        return _decode_attention_op(*args)
-    return _launch(*args, _direct)
+    qkv: the token's projections (H + 2 Hkv) * D, q heads, then k, then v,
+    before RoPE; cos, sin: (D/2,) fp32 for input_pos; k, v: the cache
+    (1, Hkv, S, D) in qkv's dtype, or int8 codes with k_scale, v_scale
+    (1, Hkv, S, 1), written in place. Returns (1, 1, H * D) in qkv's dtype."""
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    ops = qkv.is_cuda and hasattr(torch.library, "triton_op")
+    window = window or 0
+    if k_scale is None:
+        if ops:
+            return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window)
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, _direct)
+    if ops:
+        return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window)
+    return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, _direct)
