@@ -28,7 +28,7 @@ from brisklm.sampling import SamplingParams
 
 
 def check_compiled_equals_eager():
-    args = ModelArgs(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    args = ModelArgs(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
     model = build_model(args, random_state_dict(args, torch.float32, device="cuda", std=0.2))
     rows = []

@@ -168,8 +168,9 @@ def num_splits(max_seq_length: int) -> int:
 
 
 def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> bool:
-    """Whether the kernel can serve this step: one sequence, one new token."""
-    return (available(device) and batch == 1 and tokens == 1 and head_dim >= 16
+    """Whether the kernel can serve this step: one sequence, one new token, and
+    heads whose halves (RoPE's rotation pairs) fill a tensor-core dot (K >= 16)."""
+    return (available(device) and batch == 1 and tokens == 1 and head_dim >= 32
             and head_dim & (head_dim - 1) == 0)
 
 
