@@ -1,7 +1,7 @@
 """The Triton GEMVs on the GPU: correctness at every preset shape, then block
 sizes chosen by measurement.
 
-    PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--write] [--kinds bf16,int8,int4]
+    PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--write] [--retime] [--kinds bf16,int8,int4] [--check KINDS]
 
 1. Correctness: each kind (bf16, int8, fp8, int4 g32/g64/g128/g256) at every
    weight shape of the Llama-3.1-8B, Mixtral-8x7B and SmolLM2-135M presets,
@@ -206,9 +206,11 @@ def main():
     ap.add_argument("--kinds", default="bf16,int8,fp8,int4-g128,int4-g64")
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     ap.add_argument("--retime", action="store_true", help="time only the configs already in the table")
+    ap.add_argument("--check", default="bf16,int8,fp8,int8-g32,int4-g32,int4-g64,int4-g128,int4-g256",
+                    help="kinds whose correctness is checked first ('' for none)")
     opts = ap.parse_args()
     t0 = time.time()
-    lines = check_correctness(["bf16", "int8", "fp8", "int8-g32", "int4-g32", "int4-g64", "int4-g128", "int4-g256"])
+    lines = check_correctness([k for k in opts.check.split(",") if k])
     print("\n".join(lines), flush=True)
     print(f"correctness checked in {time.time() - t0:.0f} s", flush=True)
     ceiling = read_ceiling_gbs()

@@ -109,21 +109,25 @@ if triton is not None:
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
 
     @triton.jit
-    def _code_as_float(w, SHIFT: tl.constexpr, BITS: tl.constexpr, FLIP: tl.constexpr):
+    def _code_as_float(w, SHIFT: tl.constexpr, BITS: tl.constexpr, bits_of_one):
         """1 + c / 2**BITS, where c is the BITS-bit field of the int32 `w` at bit
-        SHIFT (XOR FLIP): the field is moved to the top of an fp32 mantissa under
-        the exponent of 1.0. A shift and one LOP3 instead of an int-to-float
-        conversion, which runs at a fraction of the FMA rate and was the int4
-        and int8 kernels' limit on the H200."""
+        SHIFT (for int8, with its top bit flipped): the field is moved to the top
+        of an fp32 mantissa under the exponent of 1.0. A shift and one LOP3
+        instead of an int-to-float conversion, which runs at a fraction of the
+        FMA rate and was the int4 and int8 kernels' limit on the H200.
+
+        bits_of_one is 1.0's bit pattern, with the flip bit for int8 (ONE_BITS).
+        It comes as a runtime argument: in a register, the mask and the merge
+        are one LOP3; as two immediates they took two (sm_90 SASS)."""
         TOP: tl.constexpr = 23 - BITS
         if SHIFT <= TOP:
             v = w << (TOP - SHIFT)
         else:
             v = w >> (SHIFT - TOP)
-        return (((v & (((1 << BITS) - 1) << TOP)) ^ (FLIP << TOP)) | 0x3F800000).to(tl.float32, bitcast=True)
+        return ((v & (((1 << BITS) - 1) << TOP)) ^ bits_of_one).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _int8_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
+    def _int8_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, one_bits, K_PER_SPLIT: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Weights read as int32 words of 4 codes. With u = q + 128 (the byte with
         # its top bit flipped) each code becomes f = 1 + u/256, so
@@ -143,13 +147,13 @@ if triton is not None:
             w = tl.load(w_rows + (k0 // 4 + words)[None, :], mask=row_ok[:, None])
             for b in tl.static_range(4):  # byte b of a word is k = 4 * word + b
                 x = tl.load(x_ptr + k0 + 4 * words + b).to(tl.float32)
-                acc += _code_as_float(w, 8 * b, 8, 0x80) * x[None, :]
+                acc += _code_as_float(w, 8 * b, 8, one_bits) * x[None, :]
                 x_sum += x
         y = 256 * tl.sum(acc, axis=1) - 384 * tl.sum(x_sum, axis=0)
         tl.store(out_ptr + pid_k * N + rows, y, mask=row_ok)
 
     @triton.jit
-    def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
+    def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, one_bits, K_PER_SPLIT: tl.constexpr,
                              BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
         # Codes with a scale per group of GROUP inputs, read as int32 words:
@@ -182,9 +186,9 @@ if triton is not None:
             for p in tl.static_range(CODES):
                 x = tl.load(x_ptr + k0 + CODES * words + p).to(tl.float32)
                 if BITS == 4:
-                    code = _code_as_float(w, 8 * (p // 2) + 4 * (1 - p % 2), 4, 0)
+                    code = _code_as_float(w, 8 * (p // 2) + 4 * (1 - p % 2), 4, one_bits)
                 else:
-                    code = _code_as_float(w, 8 * p, 8, 0x80)
+                    code = _code_as_float(w, 8 * p, 8, one_bits)
                 dot += code * x[None, :, :]
                 x_sum += x
             sz = rows[:, None] * n_groups + (k0 // GROUP + g_off)[None, :]
@@ -199,6 +203,11 @@ if triton is not None:
         tl.store(out_ptr + pid_k * N + rows, y, mask=row_ok)
 
 
+# 1.0's fp32 bits; for int8 codes also bit 22, the code's top bit flipped
+# (q + 128) where _code_as_float moves it.
+ONE_BITS = {4: 0x3F800000, 8: 0x3F800000 | 0x80 << 15}
+
+
 def _launch_scaled(x, w, launch):
     n, k = w.shape
     bits = w.element_size() * 8
@@ -208,7 +217,7 @@ def _launch_scaled(x, w, launch):
     grid = (triton.cdiv(n, block_n), split_k)
     even = k % block_k == 0 and k_per_split * split_k == k
     if w.dtype == torch.int8 and even:
-        launch(_int8_gemv_kernel)[grid](x, w.view(torch.int32), out, n, k, k_per_split, BLOCK_N=block_n,
+        launch(_int8_gemv_kernel)[grid](x, w.view(torch.int32), out, n, k, ONE_BITS[8], k_per_split, BLOCK_N=block_n,
                                         BLOCK_K=block_k, num_warps=warps)
     else:
         launch(_scaled_gemv_kernel)[grid](x, w, out, n, k, k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -224,7 +233,8 @@ def _launch_grouped(x, codes, scale, zero, launch):
     block_n, block_k, split_k, warps = config(4 if bits == 4 else "8g", n, k, group)
     out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split_k)
-    launch(_grouped_gemv_kernel)[grid](x, codes.view(torch.int32), scale, zero, out, n, k, k // split_k, BITS=bits,
+    launch(_grouped_gemv_kernel)[grid](x, codes.view(torch.int32), scale, zero, out, n, k, ONE_BITS[bits],
+                                       k // split_k, BITS=bits,
                                        GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
 
