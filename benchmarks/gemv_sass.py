@@ -1,0 +1,82 @@
+"""Instructions per weight code in the GEMVs' main loop, from sm_90 SASS, on any machine.
+
+    PYTHONPATH=. python3 benchmarks/gemv_sass.py [--kinds bf16,int8,int4]
+
+Compiles the Triton GEMVs of brisklm/kernels/gemv.py for an H100/H200
+(sm_90) without a GPU (Triton ships ptxas and nvdisasm), finds the main
+loop (the longest backward branch) and counts its instructions by opcode.
+At batch 1 the quantized GEMVs are bound by instructions, not memory (see
+benchmarks/RESULTS.md): bf16 reaches the read ceiling at ~3 instructions a
+weight byte, so int8 and int4 need about that many per byte too. Use this to
+see what a kernel change costs before spending GPU time on it.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from brisklm.kernels import gemv
+
+# (kernel, BLOCK_N, BLOCK_K, warps) as in the tuned table for the Llama-3.1-8B w13 matrix
+CASES = {
+    "bf16": (gemv._scaled_gemv_kernel, 2, 2048, 4),
+    "int8": (gemv._int8_gemv_kernel, 16, 512, 4),
+    "int8-g32": (gemv._grouped_gemv_kernel, 16, 512, 4),
+    "int4": (gemv._grouped_gemv_kernel, 32, 1024, 4),
+}
+
+
+def compile_sm90(kind: str):
+    fn, block_n, block_k, warps = CASES[kind]
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16" if kind == "bf16" else "*i32"}
+    const = {"K_PER_SPLIT": 4096, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    if kind == "bf16":
+        const["EVEN_K"] = True
+    if kind.startswith("int4") or kind == "int8-g32":
+        sig.update({"s_ptr": "*bf16", "z_ptr": "*bf16"})
+        const.update({"BITS": 4 if kind == "int4" else 8, "GROUP": 128 if kind == "int4" else 32})
+    sig.update({"out_ptr": "*fp32", "N": "i32", "K": "i32"})
+    if kind != "bf16":
+        sig["one_bits"] = "i32"
+    sig.update({name: "constexpr" for name in const})
+    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    lines = sass.splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\w+:", line)}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA (\w+);", line)) and labels.get(m.group(1), i) < i]
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    ops = collections.Counter()
+    for line in lines[first + 1:last + 1]:
+        if m := re.search(r"\t(?:@!?U?P\w+ )?([A-Z][A-Z0-9_]*)", line):
+            ops[m.group(1)] += 1
+    return ops
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kinds", default=",".join(CASES))
+    opts = ap.parse_args()
+    print("| kernel | BLOCK_N x BLOCK_K, warps | loop instructions | per code | per weight byte | most frequent |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for kind in opts.kinds.split(","):
+        _, block_n, block_k, warps = CASES[kind]
+        ops = loop_opcodes(compile_sm90(kind).asm["sass"])
+        total = sum(ops.values())
+        per_code = total / (block_n * block_k / (32 * warps))  # one loop pass per thread
+        bytes_per_code = {"bf16": 2, "int4": 0.5}.get(kind, 1)
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
+        print(f"| {kind} | {block_n} x {block_k}, {warps} | {total} | {per_code:.2f} | "
+              f"{per_code / bytes_per_code:.2f} | {top} |")
+
+
+if __name__ == "__main__":
+    main()
