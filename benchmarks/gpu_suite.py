@@ -22,6 +22,7 @@ VARIANTS = {
     "fp8": ["--quantize", "fp8", "--context", ""],
     "int4": ["--quantize", "int4", "--groupsize", "128", "--context", ""],
     "bf16-kv8": ["--kv_int8", "--context", "32768"],
+    "bf16-4096": ["--max_seq_length", "4096", "--context", ""],  # the cache `brisk generate` makes by default
 }
 
 

@@ -228,9 +228,16 @@ def run(opts) -> dict:
                 f"{args.max_position_embeddings} tokens")
         prefill, context = [n for n in prefill if n <= limit], [n for n in context if n <= limit]
     longest = max([opts.prompt_tokens, *prefill, *context]) + opts.new_tokens + 8
+    # The cache fits the longest request unless --max_seq_length asks for more
+    # (`brisk generate` defaults to 4096): its size sets the attention kernel's
+    # slices, so decode at a short context depends on it.
+    result["max_seq_length"] = max(opts.max_seq_length or 0, longest)
+    if opts.max_seq_length and opts.max_seq_length < longest:
+        log(f"  --max_seq_length {opts.max_seq_length} is below the longest request ({longest} "
+            f"tokens): using {longest}")
     llm = load(opts.checkpoint_path, preset=opts.preset, device=str(device), dtype=opts.dtype,
                compile=opts.compile, compile_prefill=opts.compile_prefill,
-               compile_options=opts.compile_options, max_seq_length=longest, quiet=False,
+               compile_options=opts.compile_options, max_seq_length=result["max_seq_length"], quiet=False,
                quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8)
     dtype = llm.model.norm.weight.dtype
     ceiling = result["read_ceiling_gb_s"]
@@ -272,7 +279,8 @@ def markdown(r: dict) -> str:
              f"Ceilings measured in the same run: read {r['read_ceiling_gb_s']:.0f} GB/s, "
              f"bf16 matmul {r['matmul_tflops']:.1f} TFLOP/s.", "",
              "| figure | value |", "| --- | --- |",
-             f"| decode tokens/s ({d['prompt_tokens']}-token prompt, {d['new_tokens']} new) | "
+             f"| decode tokens/s ({d['prompt_tokens']}-token prompt, {d['new_tokens']} new, "
+             f"cache of {r['max_seq_length']}) | "
              f"{d['tokens_per_s']:.1f} (min {d['min']:.1f}, max {d['max']:.1f}) |",
              f"| bytes read per token (weights + live KV) | {d['bytes_per_token'] / 1e9:.3f} GB |",
              f"| fraction of the read ceiling | {d['fraction_of_ceiling']:.3f} |"]

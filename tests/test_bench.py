@@ -18,7 +18,7 @@ def test_bench_reports_every_figure(smollm2_gguf, tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "brisklm", "bench", "--checkpoint_path", smollm2_gguf, "--device", "cpu",
-         "--prefill", "32", "--context", "64", "--samples", "2", "--new_tokens", "4",
+         "--prefill", "32", "--context", "64", "--samples", "2", "--new_tokens", "4", "--max_seq_length", "200",
          "--json", str(out), "--markdown", str(tmp_path / "bench.md")],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -29,6 +29,7 @@ def test_bench_reports_every_figure(smollm2_gguf, tmp_path):
     assert 0 < d["fraction_of_ceiling"] <= 1.5  # noisy CPU; above 1 would mean a wrong count
     assert [t["tokens"] for t in r["ttft"]] == [5, 32]
     assert r["long_context"][0]["prompt_tokens"] == 64
+    assert r["max_seq_length"] == 200  # asked for; the longest request needs 64 + 4 + 8
     assert "| fraction of the read ceiling |" in (tmp_path / "bench.md").read_text()
 
 
