@@ -22,28 +22,29 @@ from triton.compiler import ASTSource
 
 from brisklm.kernels import gemv
 
-# (kernel, BLOCK_N, BLOCK_K, warps) as in the tuned table for the Llama-3.1-8B w13 matrix
+# kind: (kernel, BLOCK_N, BLOCK_K in codes, warps, constexprs beyond K_PER_SPLIT and BLOCK_N),
+# as in the tuned table for the Llama-3.1-8B w13 matrix (4096 inputs)
 CASES = {
-    "bf16": (gemv._scaled_gemv_kernel, 2, 2048, 4),
-    "int8": (gemv._int8_gemv_kernel, 16, 512, 4),
-    "int8-g32": (gemv._grouped_gemv_kernel, 16, 512, 4),
-    "int4": (gemv._grouped_gemv_kernel, 32, 1024, 4),
+    "bf16": (gemv._scaled_gemv_kernel, 2, 2048, 4, {"BLOCK_K": 2048, "EVEN_K": True}),
+    "int8": (gemv._int8_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512}),
+    "int8-g32": (gemv._grouped_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512, "BITS": 8, "GROUP": 32}),
+    "int4": (gemv._grouped_gemv_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "BITS": 4, "GROUP": 128}),
 }
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*fp32"}
 
 
 def compile_sm90(kind: str):
-    fn, block_n, block_k, warps = CASES[kind]
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16" if kind == "bf16" else "*i32"}
-    const = {"K_PER_SPLIT": 64 * block_k, "BLOCK_N": block_n, "BLOCK_K": block_k}  # a loop, not unrolled
-    if kind == "bf16":
-        const["EVEN_K"] = True
-    if kind.startswith("int4") or kind == "int8-g32":
-        sig.update({"s_ptr": "*bf16", "z_ptr": "*bf16"})
-        const.update({"BITS": 4 if kind == "int4" else 8, "GROUP": 128 if kind == "int4" else 32})
-    sig.update({"out_ptr": "*fp32", "N": "i32", "K": "i32"})
-    if kind != "bf16":
-        sig["one_bits"] = "i32"
-    sig.update({name: "constexpr" for name in const})
+    fn, block_n, block_k, warps, extra = CASES[kind]
+    const = {"K_PER_SPLIT": 64 * block_k, "BLOCK_N": block_n, **extra}  # a loop, not unrolled
+    sig = {}
+    for name in fn.arg_names:  # in the kernel's order
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            sig[name] = "*bf16" if (kind == "bf16" and name == "w_ptr") else (
+                "*fp16" if (name == "s_ptr" and kind.startswith("int8")) else POINTERS[name])
+        else:
+            sig[name] = "i32"  # N, K, one_bits
     # As Triton's launcher specializes them for torch tensors and these shapes:
     # pointers and N, K divisible by 16 (this is what lets loads be vectorized).
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
@@ -72,7 +73,7 @@ def main():
     print("| kernel | BLOCK_N x BLOCK_K, warps | loop instructions | per code | per weight byte | most frequent |")
     print("| --- | --- | --- | --- | --- | --- |")
     for kind in opts.kinds.split(","):
-        _, block_n, block_k, warps = CASES[kind]
+        _, block_n, block_k, warps, _ = CASES[kind]
         ops = loop_opcodes(compile_sm90(kind).asm["sass"])
         total = sum(ops.values())
         per_code = total / (block_n * block_k / (32 * warps))  # one loop pass per thread
