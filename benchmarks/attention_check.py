@@ -1,20 +1,25 @@
 """The decode attention kernel (brisklm/kernels/attention.py) on a GPU.
 
-    PYTHONPATH=. python3 benchmarks/attention_check.py
+    PYTHONPATH=. python3 benchmarks/attention_check.py [--sweep]
 
 Correctness at the Llama-3.1-8B and SmolLM2 head shapes, bf16 and int8
 caches, at several filled lengths: the output against fp64, and the new key
 and value the kernel stores against the model's own RoPE and cache write.
 Then the time of one call (replayed in a CUDA graph) against the bytes of
-the filled cache it reads.
+the filled cache it reads. --sweep instead times the launch settings of
+brisklm/kernels/attention.py (block of positions, warps, pipeline stages,
+slices) on a 33000-position cache, Llama-3.1-8B heads.
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import itertools
 import math
 
 import torch
 
+from brisklm.kernels import attention
 from brisklm.kernels.attention import decode_attention, num_splits
 from gemv_sweep import time_us  # a CUDA graph of the calls, best of 3
 from brisklm.model import KVCache, apply_rope
@@ -66,7 +71,38 @@ def kernel_us(h, hkv, d, S, int8, length):
     return time_us([lambda: call(cache, qkv, cos, sin, pos)], reps=50)
 
 
+def sweep(grid):
+    lengths = (5, 8192, 32768)
+    print("| kv | BLOCK_S | warps | stages | splits | " + " | ".join(f"us at {n}" for n in lengths) + " |")
+    print("| --- " * (5 + len(lengths)) + "|")
+    best = {}
+    for int8 in (False, True):
+        for block, warps, stages, splits in itertools.product(*grid):
+            attention.BLOCK_S, attention.NUM_WARPS, attention.NUM_STAGES = block, warps, stages
+            attention.MAX_SPLITS, attention.POSITIONS_PER_SPLIT = splits, 1
+            try:
+                times = [kernel_us(32, 8, 128, 33000, int8, n) for n in lengths]
+            except Exception as e:  # a config the compiler rejects
+                print(f"| {'int8' if int8 else 'bf16'} | {block} | {warps} | {stages} | {splits} | {type(e).__name__} |")
+                continue
+            print(f"| {'int8' if int8 else 'bf16'} | {block} | {warps} | {stages} | {splits} | "
+                  + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
+            for n, t in zip(lengths, times):
+                key = ("int8" if int8 else "bf16", n)
+                best[key] = min(best.get(key, (1e9,)), (t, block, warps, stages, splits))
+    print("\nbest (us, BLOCK_S, warps, stages, splits):")
+    for key, b in best.items():
+        print(key, b)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--grid", default="32,64,128/4,8/2,3,4/16,32,64,128",
+                    help="the values swept: BLOCK_S/warps/stages/splits")
+    opts = ap.parse_args()
+    if opts.sweep:
+        return sweep([[int(v) for v in part.split(",")] for part in opts.grid.split("/")])
     print("| heads (q/kv/dim) | cache | kv | splits | output: worst relative error vs fp64 | "
           "stored key/value vs the model's write |\n| --- | --- | --- | --- | --- | --- |")
     for h, hkv, d in ((32, 8, 128), (9, 3, 64)):

@@ -161,10 +161,15 @@ if triton is not None:
         tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
 
 
+# Launch settings, chosen by benchmarks/attention_check.py --sweep on an H200.
+BLOCK_S, NUM_WARPS, NUM_STAGES, MAX_SPLITS, POSITIONS_PER_SPLIT = 64, 4, 3, 32, 256
+
+
 def num_splits(max_seq_length: int) -> int:
     """Slices per KV head: enough programs to stream a full cache at the memory's
-    speed (about 256 positions each), a power of two up to 64."""
-    return min(64, triton.next_power_of_2(triton.cdiv(max_seq_length, 256)))
+    speed (POSITIONS_PER_SPLIT positions each), a power of two up to MAX_SPLITS (one or two waves of programs at 8 KV
+    heads: more slices cost more than they balance)."""
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(max_seq_length, POSITIONS_PER_SPLIT)))
 
 
 def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> bool:
@@ -178,7 +183,7 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
     n_kv, max_len, d = k.shape[1:]
     n_heads = qkv.numel() // d - 2 * n_kv
     group = n_heads // n_kv
-    splits, block = num_splits(max_len), 64
+    splits, block = num_splits(max_len), BLOCK_S
     int8 = k.dtype == torch.int8
     dtype = qkv.dtype
     out = torch.empty((1, 1, n_heads * d), device=qkv.device, dtype=dtype)
@@ -192,7 +197,7 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
         QK_SCALE=1.4426950408889634 / math.sqrt(d),  # softmax in base 2
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
         NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
-        INTERPRET=interpret, num_warps=4)
+        INTERPRET=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         launch(_combine_kernel)[(n_heads,)](partial, lse, out, n_heads, D=d, NUM_SPLITS=splits, num_warps=4)
     return out
