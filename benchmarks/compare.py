@@ -8,7 +8,9 @@
 `run` benches every variant found there: first all at once to fill the
 compiler caches (compiling in parallel), then one after another, alone on
 the GPU, timed; each configuration twice, in alternating order, so a drift
-of the machine shows. Prints a table last.
+of the machine shows. Then each variant decodes 32 tokens greedily with
+`brisk generate` (same seeded random weights): variants that change no
+arithmetic must give the same token ids. Prints a table last.
 """
 from __future__ import annotations
 
@@ -48,6 +50,29 @@ def bench(name: str, extra: list[str], log: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
+GENERATE = ["-m", "brisklm", "generate", "--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
+            "--max_new_tokens", "32", "--temperature", "0", "--quiet"]
+SHARED = {"--quantize": 1, "--groupsize": 1, "--kv_int8": 0, "--compile_options": 1, "--dtype": 1}  # with values
+
+
+def generate_args(extra: list[str]) -> list[str]:
+    """The bench arguments that `brisk generate` takes too."""
+    out, i = [], 0
+    while i < len(extra):
+        n = SHARED.get(extra[i])
+        if n is not None:
+            out += extra[i:i + 1 + n]
+        i += 1 + (n or 0)
+    return out
+
+
+def token_ids(name: str, extra: list[str]) -> str:
+    cwd = os.path.join(VARIANTS, name)
+    done = subprocess.run([sys.executable, *GENERATE, *generate_args(extra)], cwd=cwd, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=cwd))
+    return done.stdout.strip() if done.returncode == 0 else "failed: " + done.stderr.strip()[-80:]
+
+
 def decode_rate(log: str) -> str:
     text = open(log).read()
     m = re.search(r"decode tokens/s [^|]*\| ([\d.]+)", text)
@@ -72,10 +97,13 @@ def run(extra: list[str]):
             bench(n, extra, log).wait()
             rates[n].append(decode_rate(log))
             print(f"{n}: {rates[n][-1]}", flush=True)
+    ids = {n: token_ids(n, extra) for n in names}
     print(f"\nbrisk bench {shlex.join(BENCH[3:] + extra)}; {time.time() - t0:.0f} s in all")
-    print("| variant | decode tok/s, first pass | second pass |\n| --- | --- | --- |")
+    print("| variant | decode tok/s, first pass | second pass | greedy token ids (32) |\n| --- | --- | --- | --- |")
     for n in names:
-        print(f"| {n} | {' | '.join(rates[n])} |")
+        ok = not ids[n].startswith("failed") and n != names[0] and ids[n] == ids[names[0]]
+        same = "same as " + names[0] if ok else ids[n][:60]
+        print(f"| {n} | {' | '.join(rates[n])} | {same} |")
 
 
 def main():
