@@ -52,7 +52,8 @@ def bench(name: str, extra: list[str], log: str) -> subprocess.Popen:
 
 GENERATE = ["-m", "brisklm", "generate", "--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
             "--max_new_tokens", "32", "--temperature", "0", "--quiet"]
-SHARED = {"--quantize": 1, "--groupsize": 1, "--kv_int8": 0, "--compile_options": 1, "--dtype": 1}  # with values
+SHARED = {"--quantize": 1, "--groupsize": 1, "--kv_int8": 0, "--compile_options": 1, "--dtype": 1,  # with values
+          "--preset": 1, "--device": 1}
 
 
 def generate_args(extra: list[str]) -> list[str]:
