@@ -77,19 +77,19 @@ def sweep(grid):
     print("| --- " * (5 + len(lengths)) + "|")
     best = {}
     for int8 in (False, True):
+        kv = "int8" if int8 else "bf16"
         for block, warps, stages, splits in itertools.product(*grid):
             attention.BLOCK_S, attention.NUM_WARPS, attention.NUM_STAGES = block, warps, stages
             attention.MAX_SPLITS, attention.POSITIONS_PER_SPLIT = splits, 1
             try:
                 times = [kernel_us(32, 8, 128, 33000, int8, n) for n in lengths]
             except Exception as e:  # a config the compiler rejects
-                print(f"| {'int8' if int8 else 'bf16'} | {block} | {warps} | {stages} | {splits} | {type(e).__name__} |")
+                print(f"| {kv} | {block} | {warps} | {stages} | {splits} | {type(e).__name__} |")
                 continue
-            print(f"| {'int8' if int8 else 'bf16'} | {block} | {warps} | {stages} | {splits} | "
-                  + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
+            print(f"| {kv} | {block} | {warps} | {stages} | {splits} | " + " | ".join(f"{t:.1f}" for t in times)
+                  + " |", flush=True)
             for n, t in zip(lengths, times):
-                key = ("int8" if int8 else "bf16", n)
-                best[key] = min(best.get(key, (1e9,)), (t, block, warps, stages, splits))
+                best[kv, n] = min(best.get((kv, n), (1e9,)), (t, block, warps, stages, splits))
     print("\nbest (us, BLOCK_S, warps, stages, splits):")
     for key, b in best.items():
         print(key, b)

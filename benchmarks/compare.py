@@ -43,11 +43,15 @@ def prepare(refs: list[str]):
         print(f"{ref} -> {os.path.relpath(dest, ROOT)}")
 
 
-def bench(name: str, extra: list[str], log: str) -> subprocess.Popen:
+def in_variant(name: str) -> dict:
+    """Where a variant's commands run: its folder, its brisklm first on the path."""
     cwd = os.path.join(VARIANTS, name)
-    env = dict(os.environ, PYTHONPATH=cwd, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, *BENCH, *extra], cwd=cwd, env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+    return {"cwd": cwd, "env": dict(os.environ, PYTHONPATH=cwd, PYTHONUNBUFFERED="1")}
+
+
+def bench(name: str, extra: list[str], log: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *BENCH, *extra], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            **in_variant(name))
 
 
 GENERATE = ["-m", "brisklm", "generate", "--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
@@ -68,9 +72,8 @@ def generate_args(extra: list[str]) -> list[str]:
 
 
 def token_ids(name: str, extra: list[str]) -> str:
-    cwd = os.path.join(VARIANTS, name)
-    done = subprocess.run([sys.executable, *GENERATE, *generate_args(extra)], cwd=cwd, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=cwd))
+    done = subprocess.run([sys.executable, *GENERATE, *generate_args(extra)], capture_output=True, text=True,
+                          **in_variant(name))
     return done.stdout.strip() if done.returncode == 0 else "failed: " + done.stderr.strip()[-80:]
 
 

@@ -23,7 +23,8 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
-    p.add_argument("--max_seq_length", type=int, default=None, help="KV cache length (default: min(context, 4096); bench: its longest request)")
+    p.add_argument("--max_seq_length", type=int, default=None,
+                   help="KV cache length (default: min(context, 4096); bench: its longest request)")
     p.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "int4-gptq", "fp8", "gguf"],
                    default="auto",
                    help="weight-only quantization at load: int8, int4 (RTN); gguf keeps a GGUF file's "

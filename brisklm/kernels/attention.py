@@ -167,8 +167,8 @@ BLOCK_S, NUM_WARPS, NUM_STAGES, MAX_SPLITS, POSITIONS_PER_SPLIT = 64, 4, 3, 32, 
 
 def num_splits(max_seq_length: int) -> int:
     """Slices per KV head: enough programs to stream a full cache at the memory's
-    speed (POSITIONS_PER_SPLIT positions each), a power of two up to MAX_SPLITS (one or two waves of programs at 8 KV
-    heads: more slices cost more than they balance)."""
+    speed (POSITIONS_PER_SPLIT positions each), a power of two up to MAX_SPLITS
+    (one or two waves of programs at 8 KV heads: more cost more than they balance)."""
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(max_seq_length, POSITIONS_PER_SPLIT)))
 
 
