@@ -1,7 +1,7 @@
 """Decode speed of several git revisions side by side, in one device call.
 
     python3 benchmarks/compare.py prepare main my-branch ...   # here: a copy of each under .variants/
-    python3 benchmarks/compare.py run [-- --quantize int8 ...]   # on the GPU machine (carry .variants)
+    python3 benchmarks/compare.py run [--only a,b] [-- --quantize int8 ...]   # on the GPU machine (carry .variants)
 
 `prepare` writes each revision's files (git archive) to .variants/<name>
 (with this checkout's tuned GEMV table), a folder to carry to the device.
@@ -83,9 +83,11 @@ def decode_rate(log: str) -> str:
     return m.group(1) if m else "failed: " + text.strip().splitlines()[-1][:80]
 
 
-def run(extra: list[str]):
+def run(extra: list[str], only: str | None = None):
     names = sorted(n for n in os.listdir(VARIANTS) if os.path.isdir(os.path.join(VARIANTS, n))) \
         if os.path.isdir(VARIANTS) else []
+    if only:
+        names = [n for n in only.split(",") if n in names]  # in the order given: the first is the reference
     if not names:
         sys.exit("no variants: run `compare.py prepare REV ...` first and carry .variants")
     out = os.environ.get("OUT", "/tmp")
@@ -114,8 +116,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["prepare", "run"])
     ap.add_argument("args", nargs="*", help="prepare: git revisions; run (after --): more `brisk bench` arguments")
+    ap.add_argument("--only", help="run: the variants to bench, comma-separated, the reference first (default: all)")
     args = ap.parse_args()
-    (prepare if args.command == "prepare" else run)(args.args)
+    prepare(args.args) if args.command == "prepare" else run(args.args, args.only)
 
 
 if __name__ == "__main__":
