@@ -148,11 +148,11 @@ def cmd_generate(args):
     import torch
     from .api import log
     llm = _load(args, quiet=args.quiet)
-    if args.preset:  # random weights and no tokenizer: feed token ids
+    if args.preset:  # random weights and no tokenizer: token ids in, token ids out
         prompt_ids = [1 + i for i in range(5)]
         run = lambda: llm.stream_ids(prompt_ids, args.max_new_tokens, stop_ids=(), seed=args.seed,  # noqa: E731
                                      **_sampling(args))
-        show = lambda piece: None  # noqa: E731
+        show = lambda piece: print(piece, end=" ", flush=True)  # noqa: E731
     else:
         tok = llm._tok()
         prompt = args.prompt
@@ -181,7 +181,7 @@ def cmd_generate(args):
                 print(args.prompt if not args.chat else "", end="", flush=True)
             for piece in pieces:
                 show(piece)
-        if not args.quiet and not args.preset:
+        if args.preset or not args.quiet:
             print()
         s = llm.stats
         rates.append(s.decode_tokens_per_s)

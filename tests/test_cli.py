@@ -54,9 +54,15 @@ def test_chat_keeps_the_conversation(smollm2_gguf):
 
 
 def test_generate_preset_runs_random_weights():
-    done = brisk("generate", "--preset", "smollm2-135m", "--max_new_tokens", "4", "--device", "cpu")
+    greedy = ("generate", "--preset", "smollm2-135m", "--max_new_tokens", "4", "--device", "cpu", "--temperature", "0")
+    done = brisk(*greedy)
     assert done.returncode == 0, done.stderr
     assert "Sample 1: 4 tokens" in done.stderr
+    # the output is the token ids (no tokenizer): the same greedy ids from the same seeded weights
+    ids = done.stdout.split()
+    assert len(ids) == 4 and all(0 <= int(i) < 49152 for i in ids)
+    again = brisk(*greedy, "--quiet")
+    assert again.returncode == 0 and again.stdout.split() == ids, again.stderr
 
 
 def test_convert_writes_a_native_checkpoint_that_reloads_identically(smollm2_gguf, tmp_path):

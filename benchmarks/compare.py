@@ -1,0 +1,118 @@
+"""Decode speed of several git revisions side by side, in one device call.
+
+    python3 benchmarks/compare.py prepare main my-branch ...   # here: a copy of each under .variants/
+    python3 benchmarks/compare.py run [-- --quantize int8 ...]   # on the GPU machine (carry .variants)
+
+`prepare` writes each revision's files (git archive) to .variants/<name>
+(with this checkout's tuned GEMV table), a folder to carry to the device.
+`run` benches every variant found there: first all at once to fill the
+compiler caches (compiling in parallel), then one after another, alone on
+the GPU, timed; each configuration twice, in alternating order, so a drift
+of the machine shows. Then each variant decodes 32 tokens greedily with
+`brisk generate` (same seeded random weights): variants that change no
+arithmetic must give the same token ids. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = os.path.join(ROOT, ".variants")
+BENCH = ["-m", "brisklm", "bench", "--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
+         "--samples", "3", "--prefill", "", "--context", ""]
+
+
+def prepare(refs: list[str]):
+    os.makedirs(VARIANTS, exist_ok=True)
+    for ref in refs:
+        dest = os.path.join(VARIANTS, ref.replace("/", "_"))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.makedirs(dest)
+        archive = subprocess.run(["git", "-C", ROOT, "archive", ref], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+        tuned = os.path.join(ROOT, "brisklm", "kernels", "gemv_tuned.json")
+        if os.path.exists(tuned):
+            shutil.copy(tuned, os.path.join(dest, "brisklm", "kernels"))
+        print(f"{ref} -> {os.path.relpath(dest, ROOT)}")
+
+
+def bench(name: str, extra: list[str], log: str) -> subprocess.Popen:
+    cwd = os.path.join(VARIANTS, name)
+    env = dict(os.environ, PYTHONPATH=cwd, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, *BENCH, *extra], cwd=cwd, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+GENERATE = ["-m", "brisklm", "generate", "--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
+            "--max_new_tokens", "32", "--temperature", "0", "--quiet"]
+SHARED = {"--quantize": 1, "--groupsize": 1, "--kv_int8": 0, "--compile_options": 1, "--dtype": 1}  # with values
+
+
+def generate_args(extra: list[str]) -> list[str]:
+    """The bench arguments that `brisk generate` takes too."""
+    out, i = [], 0
+    while i < len(extra):
+        n = SHARED.get(extra[i])
+        if n is not None:
+            out += extra[i:i + 1 + n]
+        i += 1 + (n or 0)
+    return out
+
+
+def token_ids(name: str, extra: list[str]) -> str:
+    cwd = os.path.join(VARIANTS, name)
+    done = subprocess.run([sys.executable, *GENERATE, *generate_args(extra)], cwd=cwd, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=cwd))
+    return done.stdout.strip() if done.returncode == 0 else "failed: " + done.stderr.strip()[-80:]
+
+
+def decode_rate(log: str) -> str:
+    text = open(log).read()
+    m = re.search(r"decode tokens/s [^|]*\| ([\d.]+)", text)
+    return m.group(1) if m else "failed: " + text.strip().splitlines()[-1][:80]
+
+
+def run(extra: list[str]):
+    names = sorted(n for n in os.listdir(VARIANTS) if os.path.isdir(os.path.join(VARIANTS, n))) \
+        if os.path.isdir(VARIANTS) else []
+    if not names:
+        sys.exit("no variants: run `compare.py prepare REV ...` first and carry .variants")
+    out = os.environ.get("OUT", "/tmp")
+    t0 = time.time()
+    warm = [bench(n, extra, os.path.join(out, f"{n}.compile.log")) for n in names]
+    for p in warm:
+        p.wait()
+    print(f"compiled all in {time.time() - t0:.0f} s", flush=True)
+    rates = {n: [] for n in names}
+    for order in (names, names[::-1]):
+        for n in order:
+            log = os.path.join(out, f"{n}.{len(rates[n])}.log")
+            bench(n, extra, log).wait()
+            rates[n].append(decode_rate(log))
+            print(f"{n}: {rates[n][-1]}", flush=True)
+    ids = {n: token_ids(n, extra) for n in names}
+    print(f"\nbrisk bench {shlex.join(BENCH[3:] + extra)}; {time.time() - t0:.0f} s in all")
+    print("| variant | decode tok/s, first pass | second pass | greedy token ids (32) |\n| --- | --- | --- | --- |")
+    for n in names:
+        ok = not ids[n].startswith("failed") and n != names[0] and ids[n] == ids[names[0]]
+        same = "same as " + names[0] if ok else ids[n][:60]
+        print(f"| {n} | {' | '.join(rates[n])} | {same} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["prepare", "run"])
+    ap.add_argument("args", nargs="*", help="prepare: git revisions; run (after --): more `brisk bench` arguments")
+    args = ap.parse_args()
+    (prepare if args.command == "prepare" else run)(args.args)
+
+
+if __name__ == "__main__":
+    main()
