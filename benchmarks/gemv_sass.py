@@ -35,7 +35,7 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16
 
 def compile_sm90(kind: str):
     fn, block_n, block_k, warps, extra = CASES[kind]
-    const = {"K_PER_SPLIT": 64 * block_k, "BLOCK_N": block_n, **extra}  # a loop, not unrolled
+    const = {"K_PER_SPLIT": 64 * block_k, "BLOCK_N": block_n, "PDL": True, **extra}  # a loop, not unrolled
     sig = {}
     for name in fn.arg_names:  # in the kernel's order
         if name in const:

@@ -194,3 +194,36 @@ def test_decode_attention_kernel_matches_fp64():
 
 def test_model_decodes_the_same_through_the_attention_kernel():
     assert "model ok" in run_interpreted(MODEL_ATTENTION_CHILD)
+
+
+OPS_CHILD = r"""
+import torch
+from brisklm.kernels import attention, gemv
+from brisklm.model import KVCache
+from brisklm.quantize import quantize_int4, quantize_int8
+# The custom ops that compiled CUDA steps call: schema, fake (shape-only)
+# implementation against the real one, and tracing by AOT autograd.
+torch.manual_seed(0)
+w = torch.randn(40, 64) * 0.02
+x = torch.randn(64).to(torch.bfloat16)
+q4 = quantize_int4(w, 32, torch.bfloat16)
+cases = [(gemv._scaled_gemv_op, (x, w.to(torch.bfloat16))), (gemv._scaled_gemv_op, (x, quantize_int8(w)["int8"])),
+         (gemv._grouped_gemv_op, (x, q4["int4"], q4["scale"].bfloat16(), q4["zero"].bfloat16()))]
+for int8 in (False, True):
+    cache = KVCache(1, 2, 48, 32, torch.bfloat16, "cpu", int8)
+    qkv = torch.randn((4 + 2 * 2) * 32).to(torch.bfloat16)
+    cos, sin = torch.rand(16), torch.rand(16)
+    pos = torch.tensor([7])
+    if int8:
+        cases.append((attention._decode_attention_int8_op,
+                      (qkv, cos, sin, cache.k, cache.v, cache.k_scale, cache.v_scale, pos, 0)))
+    else:
+        cases.append((attention._decode_attention_op, (qkv, cos, sin, cache.k, cache.v, pos, 0)))
+for op, args in cases:
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+print("ops ok", len(cases))
+"""
+
+
+def test_custom_ops_fake_implementations_and_schemas():
+    assert "ops ok 5" in run_interpreted(OPS_CHILD)

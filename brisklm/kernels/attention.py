@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .gemv import _direct, available, triton
+from .gemv import _await_inputs, _direct, _shapes_only, available, early_launch, triton
 
 if triton is not None:
     import triton.language as tl
@@ -75,7 +75,8 @@ if triton is not None:
     def _split_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, WINDOW,
                       QK_SCALE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
-                      INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr):
+                      INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        _await_inputs(PDL)
         kv_head, split = tl.program_id(0), tl.program_id(1)
         pos = tl.load(pos_ptr)  # the new token's; the cache holds positions 0..pos-1
         lo = tl.maximum(pos + 1 - WINDOW, 0)  # the first position a sliding window keeps
@@ -150,7 +151,8 @@ if triton is not None:
             tl.store(lse_ptr + split * H + heads, lse, mask=g < G)
 
     @triton.jit
-    def _combine_kernel(o_ptr, lse_ptr, out_ptr, H, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    def _combine_kernel(o_ptr, lse_ptr, out_ptr, H, D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+        _await_inputs(PDL)
         head = tl.program_id(0)
         sp, d = tl.arange(0, NUM_SPLITS), tl.arange(0, D)
         lse = tl.load(lse_ptr + sp * H + head)
@@ -191,31 +193,39 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
     lse = torch.empty((splits, n_heads), device=qkv.device, dtype=torch.float32)
     max_blocks = triton.cdiv(triton.cdiv(max_len, block), splits)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = early_launch(qkv.device)
     launch(_split_kernel)[(n_kv, splits)](
         qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads,
         min(window or max_len, max_len),
         QK_SCALE=1.4426950408889634 / math.sqrt(d),  # softmax in base 2
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
         NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
-        INTERPRET=interpret, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        INTERPRET=interpret, PDL=pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl)
     if splits > 1:
-        launch(_combine_kernel)[(n_heads,)](partial, lse, out, n_heads, D=d, NUM_SPLITS=splits, num_warps=4)
+        launch(_combine_kernel)[(n_heads,)](partial, lse, out, n_heads, D=d, NUM_SPLITS=splits, PDL=pdl,
+                                            num_warps=4, launch_pdl=pdl)
     return out
 
 
-if triton is not None and hasattr(torch.library, "triton_op"):
-    from torch.library import triton_op, wrap_triton
-
-    @triton_op("brisklm::decode_attention", mutates_args={"k", "v"})
+if triton is not None:  # opaque custom ops, as the GEMVs (kernels/gemv.py)
+    @torch.library.custom_op("brisklm::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, wrap_triton)  # no scales to read
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, _direct)  # no scales to read
 
-    @triton_op("brisklm::decode_attention_int8", mutates_args={"k", "v", "k_scale", "v_scale"})
+    @_decode_attention_op.register_fake
+    def _(qkv, cos, sin, k, v, input_pos, window):
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, _shapes_only)
+
+    @torch.library.custom_op("brisklm::decode_attention_int8", mutates_args=("k", "v", "k_scale", "v_scale"))
     def _decode_attention_int8_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                                   input_pos: torch.Tensor, window: int) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, wrap_triton)
+        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, _direct)
+
+    @_decode_attention_int8_op.register_fake
+    def _(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window):
+        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, _shapes_only)
 
 
 def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
@@ -229,7 +239,7 @@ def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
     (1, Hkv, S, D) in qkv's dtype, or int8 codes with k_scale, v_scale
     (1, Hkv, S, 1), written in place. Returns (1, 1, H * D) in qkv's dtype."""
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    ops = qkv.is_cuda and hasattr(torch.library, "triton_op")
+    ops = qkv.is_cuda
     window = window or 0
     if k_scale is None:
         if ops:

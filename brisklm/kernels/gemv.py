@@ -82,11 +82,28 @@ def beats_dense(n: int, k: int) -> bool:
     return bool(entry and entry.get("us", 1e9) < entry.get("cublas_us", 0))
 
 
+def early_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch while the kernel before them finishes
+    (programmatic dependent launch: Hopper and later; not under the interpreter)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 if triton is not None:
 
     @triton.jit
+    def _await_inputs(PDL: tl.constexpr):
+        """Launched early (launch_pdl), a kernel waits here until the kernel before it
+        has finished and its writes are visible, then lets the next one launch."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _scaled_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            PDL: tl.constexpr):
+        _await_inputs(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,7 +145,8 @@ if triton is not None:
 
     @triton.jit
     def _int8_gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, one_bits, K_PER_SPLIT: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        _await_inputs(PDL)
         # Weights read as int32 words of 4 codes. With u = q + 128 (the byte with
         # its top bit flipped) each code becomes f = 1 + u/256, so
         # sum x q = 256 sum x f - 384 sum x.
@@ -155,7 +173,8 @@ if triton is not None:
     @triton.jit
     def _grouped_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, one_bits, K_PER_SPLIT: tl.constexpr,
                              BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        _await_inputs(PDL)
         # Codes with a scale per group of GROUP inputs, read as int32 words:
         #   int4 (BITS 4): 8 codes a word, byte j holding k = 2j in its high
         #        nibble and 2j + 1 in its low one; w = (q - 8) s + z.
@@ -216,12 +235,13 @@ def _launch_scaled(x, w, launch):
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     grid = (triton.cdiv(n, block_n), split_k)
     even = k % block_k == 0 and k_per_split * split_k == k
+    pdl = early_launch(x.device)
     if w.dtype == torch.int8 and even:
         launch(_int8_gemv_kernel)[grid](x, w.view(torch.int32), out, n, k, ONE_BITS[8], k_per_split, BLOCK_N=block_n,
-                                        BLOCK_K=block_k, num_warps=warps)
+                                        BLOCK_K=block_k, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     else:
         launch(_scaled_gemv_kernel)[grid](x, w, out, n, k, k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
-                                          EVEN_K=even, num_warps=warps)
+                                          EVEN_K=even, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -233,14 +253,26 @@ def _launch_grouped(x, codes, scale, zero, launch):
     block_n, block_k, split_k, warps = config(4 if bits == 4 else "8g", n, k, group)
     out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split_k)
+    pdl = early_launch(x.device)
     launch(_grouped_gemv_kernel)[grid](x, codes.view(torch.int32), scale, zero, out, n, k, ONE_BITS[bits],
-                                       k // split_k, BITS=bits,
-                                       GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+                                       k // split_k, BITS=bits, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 
 def _direct(kernel):
     return kernel
+
+
+class _Skip:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _shapes_only(kernel):
+    """A launcher that launches nothing: the ops' fake implementations run the
+    launch code for the output it allocates."""
+    return _Skip()
 
 
 def scaled_gemv_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -253,19 +285,26 @@ def grouped_gemv_partials(x, codes, scale, zero) -> torch.Tensor:
     return _launch_grouped(x.contiguous(), codes, scale, zero, _direct)
 
 
-if triton is not None and hasattr(torch.library, "triton_op"):
-    # As custom ops, inductor sees through them into the Triton kernels and
-    # keeps them inside the compiled step's CUDA graph.
-    from torch.library import triton_op, wrap_triton
-
-    @triton_op("brisklm::scaled_gemv", mutates_args={})
+if triton is not None:
+    # Custom ops, opaque to the compiler: they launch the kernels themselves
+    # (with programmatic dependent launch, which inductor gives only its own
+    # kernels) and run inside the compiled step's CUDA graph all the same.
+    @torch.library.custom_op("brisklm::scaled_gemv", mutates_args=())
     def _scaled_gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return _launch_scaled(x, w, wrap_triton)
+        return _launch_scaled(x, w, _direct)
 
-    @triton_op("brisklm::grouped_gemv", mutates_args={})
+    @_scaled_gemv_op.register_fake
+    def _(x, w):
+        return _launch_scaled(x, w, _shapes_only)
+
+    @torch.library.custom_op("brisklm::grouped_gemv", mutates_args=())
     def _grouped_gemv_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                          zero: torch.Tensor) -> torch.Tensor:
-        return _launch_grouped(x, codes, scale, zero, wrap_triton)
+        return _launch_grouped(x, codes, scale, zero, _direct)
+
+    @_grouped_gemv_op.register_fake
+    def _(x, codes, scale, zero):
+        return _launch_grouped(x, codes, scale, zero, _shapes_only)
 
     def scaled_gemv(x, w):
         return _scaled_gemv_op(x.contiguous(), w) if x.is_cuda else scaled_gemv_partials(x, w)
