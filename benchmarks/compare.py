@@ -46,7 +46,10 @@ def prepare(refs: list[str]):
 def in_variant(name: str) -> dict:
     """Where a variant's commands run: its folder, its brisklm first on the path."""
     cwd = os.path.join(VARIANTS, name)
-    return {"cwd": cwd, "env": dict(os.environ, PYTHONPATH=cwd, PYTHONUNBUFFERED="1")}
+    # Its own compiler cache: a cached graph of another variant can match this
+    # one's trace while its kernels' output shapes (tuned split-K) differ.
+    cache = os.path.join(os.environ.get("TMPDIR", "/tmp"), "compare-cache", name)
+    return {"cwd": cwd, "env": dict(os.environ, PYTHONPATH=cwd, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=cache)}
 
 
 def bench(name: str, extra: list[str], log: str) -> subprocess.Popen:
@@ -117,7 +120,7 @@ def main():
     ap.add_argument("command", choices=["prepare", "run"])
     ap.add_argument("args", nargs="*", help="prepare: git revisions; run (after --): more `brisk bench` arguments")
     ap.add_argument("--only", help="run: the variants to bench, comma-separated, the reference first (default: all)")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     prepare(args.args) if args.command == "prepare" else run(args.args, args.only)
 
 

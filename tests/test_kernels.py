@@ -207,8 +207,11 @@ torch.manual_seed(0)
 w = torch.randn(40, 64) * 0.02
 x = torch.randn(64).to(torch.bfloat16)
 q4 = quantize_int4(w, 32, torch.bfloat16)
-cases = [(gemv._scaled_gemv_op, (x, w.to(torch.bfloat16))), (gemv._scaled_gemv_op, (x, quantize_int8(w)["int8"])),
-         (gemv._grouped_gemv_op, (x, q4["int4"], q4["scale"].bfloat16(), q4["zero"].bfloat16()))]
+w16, w8 = w.to(torch.bfloat16), quantize_int8(w)["int8"]
+scale, zero = q4["scale"].bfloat16(), q4["zero"].bfloat16()
+cases = [(gemv._scaled_gemv_op, (x, w16, list(gemv.scaled_config(w16)))),
+         (gemv._scaled_gemv_op, (x, w8, list(gemv.scaled_config(w8)))),
+         (gemv._grouped_gemv_op, (x, q4["int4"], scale, zero, list(gemv.grouped_config(q4["int4"], scale))))]
 for int8 in (False, True):
     cache = KVCache(1, 2, 48, 32, torch.bfloat16, "cpu", int8)
     qkv = torch.randn((4 + 2 * 2) * 32).to(torch.bfloat16)
@@ -227,3 +230,26 @@ print("ops ok", len(cases))
 
 def test_custom_ops_fake_implementations_and_schemas():
     assert "ops ok 5" in run_interpreted(OPS_CHILD)
+
+
+def test_gemv_blocks_are_a_constant_of_the_traced_graph():
+    """The GEMV ops take their block sizes as an argument, looked up while
+    tracing without a graph break: a cached graph records them, so a retuned
+    table cannot meet a stale graph (whose split-K output shape differs)."""
+    import torch
+
+    from brisklm.kernels import gemv
+    gemv._tuned = None  # the first lookup reads the table under the tracer
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def blocks(x, w):
+        return x + gemv.scaled_config(w)[2]
+
+    w = torch.zeros(4096, 14336, dtype=torch.bfloat16)
+    assert blocks(torch.zeros(2), w).tolist() == [gemv.scaled_config(w)[2]] * 2
+    assert len(graphs) == 1

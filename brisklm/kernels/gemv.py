@@ -65,6 +65,7 @@ def tuned() -> dict:
     return _tuned
 
 
+@torch.compiler.assume_constant_result  # traced as its result: the graph records the blocks it launches
 def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
     entry = tuned().get(f"{bits}:{n}:{k}")
     block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
@@ -227,10 +228,19 @@ if triton is not None:
 ONE_BITS = {4: 0x3F800000, 8: 0x3F800000 | 0x80 << 15}
 
 
-def _launch_scaled(x, w, launch):
+def scaled_config(w: torch.Tensor) -> tuple[int, int, int, int]:
+    return config(w.element_size() * 8, *w.shape)
+
+
+def grouped_config(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int, int]:
+    bits = 4 if codes.dtype == torch.uint8 else 8
+    k = codes.shape[1] * 8 // bits
+    return config(4 if bits == 4 else "8g", codes.shape[0], k, k // scale.shape[1])
+
+
+def _launch_scaled(x, w, cfg, launch):
     n, k = w.shape
-    bits = w.element_size() * 8
-    block_n, block_k, split_k, warps = config(bits, n, k)
+    block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     grid = (triton.cdiv(n, block_n), split_k)
@@ -245,12 +255,12 @@ def _launch_scaled(x, w, launch):
     return out
 
 
-def _launch_grouped(x, codes, scale, zero, launch):
+def _launch_grouped(x, codes, scale, zero, cfg, launch):
     """codes: (N, K/2) uint8 int4 pairs (with zero) or (N, K) int8 (zero unused)."""
     bits = 4 if codes.dtype == torch.uint8 else 8
     n, k = codes.shape[0], codes.shape[1] * 8 // bits
     group = k // scale.shape[1]
-    block_n, block_k, split_k, warps = config(4 if bits == 4 else "8g", n, k, group)
+    block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split_k)
     pdl = early_launch(x.device)
@@ -277,41 +287,46 @@ def _shapes_only(kernel):
 
 def scaled_gemv_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(SPLIT_K, N) fp32 partial sums of w @ x for a (K,) vector x, launched directly."""
-    return _launch_scaled(x.contiguous(), w, _direct)
+    return _launch_scaled(x.contiguous(), w, scaled_config(w), _direct)
 
 
 def grouped_gemv_partials(x, codes, scale, zero) -> torch.Tensor:
     """(SPLIT_K, N) fp32 partial sums of groupwise int4 or int8 weights times a (K,) vector x."""
-    return _launch_grouped(x.contiguous(), codes, scale, zero, _direct)
+    return _launch_grouped(x.contiguous(), codes, scale, zero, grouped_config(codes, scale), _direct)
 
 
 if triton is not None:
     # Custom ops, opaque to the compiler: they launch the kernels themselves
     # (with programmatic dependent launch, which inductor gives only its own
     # kernels) and run inside the compiled step's CUDA graph all the same.
+    # Their block sizes are an argument, a constant in the traced graph: the
+    # output's shape (SPLIT_K, N) depends on them, so a compiled graph cached
+    # on disk must not outlive a change of the tuned table.
     @torch.library.custom_op("brisklm::scaled_gemv", mutates_args=())
-    def _scaled_gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return _launch_scaled(x, w, _direct)
+    def _scaled_gemv_op(x: torch.Tensor, w: torch.Tensor, cfg: list[int]) -> torch.Tensor:
+        return _launch_scaled(x, w, cfg, _direct)
 
     @_scaled_gemv_op.register_fake
-    def _(x, w):
-        return _launch_scaled(x, w, _shapes_only)
+    def _(x, w, cfg):
+        return _launch_scaled(x, w, cfg, _shapes_only)
 
     @torch.library.custom_op("brisklm::grouped_gemv", mutates_args=())
     def _grouped_gemv_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                         zero: torch.Tensor) -> torch.Tensor:
-        return _launch_grouped(x, codes, scale, zero, _direct)
+                         zero: torch.Tensor, cfg: list[int]) -> torch.Tensor:
+        return _launch_grouped(x, codes, scale, zero, cfg, _direct)
 
     @_grouped_gemv_op.register_fake
-    def _(x, codes, scale, zero):
-        return _launch_grouped(x, codes, scale, zero, _shapes_only)
+    def _(x, codes, scale, zero, cfg):
+        return _launch_grouped(x, codes, scale, zero, cfg, _shapes_only)
 
     def scaled_gemv(x, w):
-        return _scaled_gemv_op(x.contiguous(), w) if x.is_cuda else scaled_gemv_partials(x, w)
+        if x.is_cuda:
+            return _scaled_gemv_op(x.contiguous(), w, list(scaled_config(w)))
+        return scaled_gemv_partials(x, w)
 
     def grouped_gemv(x, codes, scale, zero):
         if x.is_cuda:
-            return _grouped_gemv_op(x.contiguous(), codes, scale, zero)
+            return _grouped_gemv_op(x.contiguous(), codes, scale, zero, list(grouped_config(codes, scale)))
         return grouped_gemv_partials(x, codes, scale, zero)
 else:
     scaled_gemv, grouped_gemv = scaled_gemv_partials, grouped_gemv_partials
