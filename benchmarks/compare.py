@@ -1,10 +1,11 @@
 """Decode speed of several git revisions side by side, in one device call.
 
     python3 benchmarks/compare.py prepare main my-branch ...   # here: a copy of each under .variants/
-    python3 benchmarks/compare.py run [--only a,b] [-- --quantize int8 ...]   # on the GPU machine (carry .variants)
+    python3 benchmarks/compare.py run [--only a,b] [--sweep int8] [-- --quantize int8 ...]   # on the GPU (carry .variants)
 
 `prepare` writes each revision's files (git archive) to .variants/<name>
-(with this checkout's tuned GEMV table), a folder to carry to the device.
+(its tuned GEMV table completed by this checkout's), a folder to carry to the
+device.
 `run` benches every variant found there: first all at once to fill the
 compiler caches (compiling in parallel), then one after another, alone on
 the GPU, timed; each configuration twice, in alternating order, so a drift
@@ -15,6 +16,7 @@ arithmetic must give the same token ids. Prints a table last.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -29,6 +31,18 @@ BENCH = ["-m", "brisklm", "bench", "--preset", "llama-3.1-8b", "--device", "cuda
          "--samples", "3", "--prefill", "", "--context", ""]
 
 
+def merge_tuned(ours: str, theirs: str):
+    """The variant's tuned GEMV table, with this checkout's entries where it has none."""
+    if not os.path.exists(ours):
+        return
+    table = json.load(open(ours))
+    if os.path.exists(theirs):
+        for device, entries in json.load(open(theirs)).items():
+            table.setdefault(device, {}).update(entries)
+    with open(theirs, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+
+
 def prepare(refs: list[str]):
     os.makedirs(VARIANTS, exist_ok=True)
     for ref in refs:
@@ -37,9 +51,8 @@ def prepare(refs: list[str]):
         os.makedirs(dest)
         archive = subprocess.run(["git", "-C", ROOT, "archive", ref], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
-        tuned = os.path.join(ROOT, "brisklm", "kernels", "gemv_tuned.json")
-        if os.path.exists(tuned):
-            shutil.copy(tuned, os.path.join(dest, "brisklm", "kernels"))
+        merge_tuned(os.path.join(ROOT, "brisklm", "kernels", "gemv_tuned.json"),
+                    os.path.join(dest, "brisklm", "kernels", "gemv_tuned.json"))
         print(f"{ref} -> {os.path.relpath(dest, ROOT)}")
 
 
@@ -86,7 +99,7 @@ def decode_rate(log: str) -> str:
     return m.group(1) if m else "failed: " + text.strip().splitlines()[-1][:80]
 
 
-def run(extra: list[str], only: str | None = None):
+def run(extra: list[str], only: str | None = None, sweep: str | None = None):
     names = sorted(n for n in os.listdir(VARIANTS) if os.path.isdir(os.path.join(VARIANTS, n))) \
         if os.path.isdir(VARIANTS) else []
     if only:
@@ -95,6 +108,13 @@ def run(extra: list[str], only: str | None = None):
         sys.exit("no variants: run `compare.py prepare REV ...` first and carry .variants")
     out = os.environ.get("OUT", "/tmp")
     t0 = time.time()
+    if sweep:  # each variant's GEMV blocks tuned on this machine first, written into its table
+        for n in names:
+            cmd = [sys.executable, "benchmarks/gemv_sweep.py", "--kinds", sweep, "--check", sweep, "--write"]
+            done = subprocess.run(cmd, capture_output=True, text=True, **in_variant(n))
+            with open(os.path.join(out, f"{n}.sweep.log"), "w") as f:
+                f.write(done.stdout + done.stderr)
+            print(f"{n}: swept {sweep}" + ("" if done.returncode == 0 else " (failed, see its log)"), flush=True)
     warm = [bench(n, extra, os.path.join(out, f"{n}.compile.log")) for n in names]
     for p in warm:
         p.wait()
@@ -120,8 +140,9 @@ def main():
     ap.add_argument("command", choices=["prepare", "run"])
     ap.add_argument("args", nargs="*", help="prepare: git revisions; run (after --): more `brisk bench` arguments")
     ap.add_argument("--only", help="run: the variants to bench, comma-separated, the reference first (default: all)")
+    ap.add_argument("--sweep", help="run: gemv_sweep.py these kinds (e.g. int8,int4-g128) in each variant first")
     args = ap.parse_intermixed_args()
-    prepare(args.args) if args.command == "prepare" else run(args.args, args.only)
+    prepare(args.args) if args.command == "prepare" else run(args.args, args.only, args.sweep)
 
 
 if __name__ == "__main__":
