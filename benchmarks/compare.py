@@ -23,6 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,10 +36,12 @@ def merge_tuned(ours: str, theirs: str):
     """The variant's tuned GEMV table, with this checkout's entries where it has none."""
     if not os.path.exists(ours):
         return
-    table = json.load(open(ours))
+    with open(ours) as f:
+        table = json.load(f)
     if os.path.exists(theirs):
-        for device, entries in json.load(open(theirs)).items():
-            table.setdefault(device, {}).update(entries)
+        with open(theirs) as f:
+            for device, entries in json.load(f).items():
+                table.setdefault(device, {}).update(entries)
     with open(theirs, "w") as f:
         json.dump(table, f, indent=1, sort_keys=True)
 
@@ -61,7 +64,7 @@ def in_variant(name: str) -> dict:
     cwd = os.path.join(VARIANTS, name)
     # Its own compiler cache: a cached graph of another variant can match this
     # one's trace while its kernels' output shapes (tuned split-K) differ.
-    cache = os.path.join(os.environ.get("TMPDIR", "/tmp"), "compare-cache", name)
+    cache = os.path.join(tempfile.gettempdir(), "compare-cache", name)
     return {"cwd": cwd, "env": dict(os.environ, PYTHONPATH=cwd, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=cache)}
 
 
