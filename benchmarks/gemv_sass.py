@@ -29,8 +29,11 @@ CASES = {
     "int8": (gemv._int8_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512}),
     "int8-g32": (gemv._grouped_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512, "BITS": 8, "GROUP": 32}),
     "int4": (gemv._grouped_gemv_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "BITS": 4, "GROUP": 128}),
+    "int8-dp4a": (gemv._int8_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "XB": 256, "INTERPRET": False}),
+    "int4-dp4a": (gemv._int4_dp4a_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False}),
 }
-POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*fp32"}
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*fp32",
+            "xq_ptr": "*i32", "step_ptr": "*fp32", "xs_ptr": "*fp32"}
 
 
 def compile_sm90(kind: str):
@@ -77,7 +80,7 @@ def main():
         ops = loop_opcodes(compile_sm90(kind).asm["sass"])
         total = sum(ops.values())
         per_code = total / (block_n * block_k / (32 * warps))  # one loop pass per thread
-        bytes_per_code = {"bf16": 2, "int4": 0.5}.get(kind, 1)
+        bytes_per_code = {"bf16": 2, "int4": 0.5, "int4-dp4a": 0.5}.get(kind, 1)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
         print(f"| {kind} | {block_n} x {block_k}, {warps} | {total} | {per_code:.2f} | "
               f"{per_code / bytes_per_code:.2f} | {top} |")

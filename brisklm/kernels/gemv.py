@@ -20,6 +20,14 @@ its own.
                 shared by all rows, so the per-code work is a shift, one
                 bitwise op and one FMA (see _code_as_float).
 
+With a bf16 or fp16 x (every GPU model), int8 and int4 codes go through dp4a
+instead (_int8_dp4a_kernel, _int4_dp4a_kernel): x becomes two int8 planes
+per block of inputs (int8_activation, torch ops that inductor fuses into the
+kernel producing x), and each instruction sums four exact integer products:
+about 2 instructions a code against 4.3-4.9 (sm_90 SASS,
+benchmarks/gemv_sass.py), for an error from x's representation within
+1.6e-5 of each block's largest |x|.
+
 Block sizes come from `config`, chosen by measurement on an H200
 (benchmarks/gemv_sweep.py). The same launchers run under TRITON_INTERPRET=1
 on CPU tensors, which is how the tests check the math without a GPU.
@@ -48,7 +56,8 @@ def available(device: torch.device) -> bool:
 # Block sizes (BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per weight element size in
 # bits ("8g": int8 with a scale per group), where the measured table (gemv_tuned.json, written by
 # benchmarks/gemv_sweep.py for a device) has no entry. BLOCK_K counts codes.
-DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8), "8g": (32, 512, 1, 4)}
+DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8), "8g": (32, 512, 1, 4),
+                  "8d": (16, 1024, 1, 4), "4d": (32, 1024, 1, 4)}  # d: the dp4a kernels (half-precision x)
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "gemv_tuned.json")
 _tuned: dict | None = None
 
@@ -69,6 +78,7 @@ def tuned() -> dict:
 def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
     entry = tuned().get(f"{bits}:{n}:{k}")
     block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
+    block_k = max(block_k, group or 1)
     # Blocks tile K exactly where they can (no masks along K), and hold whole groups.
     while block_k > max(group or 1, 32) and k % block_k:
         block_k //= 2
@@ -223,6 +233,128 @@ if triton is not None:
         tl.store(out_ptr + pid_k * N + rows, y, mask=row_ok)
 
 
+    # dp4a: four int8 products summed into an int32 in one instruction. The
+    # activation comes as two int8 planes per block of inputs (int8_activation:
+    # x ~ step (hi + lo / X_LO)), so codes times x are exact integer sums; the
+    # two planes' sums of a word are merged as hi X_LO + lo (fits int32 for
+    # blocks of up to 256 inputs), reduced over the block, then scaled once.
+    DP4A_INT8 = tl.constexpr("""{
+    .reg .b32 h, l;
+    dp4a.s32.s32 h, $1, $2, 0;
+    dp4a.s32.s32 l, $1, $3, 0;
+    mad.lo.s32 $0, h, 254, l;
+    }""")
+
+    DP4A_INT4 = tl.constexpr("""{
+    .reg .b32 e, o, h, l;
+    and.b32 o, $1, 0x0F0F0F0F;
+    shr.u32 e, $1, 4;
+    and.b32 e, e, 0x0F0F0F0F;
+    dp4a.u32.s32 h, e, $2, 0;
+    dp4a.u32.s32 h, o, $3, h;
+    dp4a.u32.s32 l, e, $4, 0;
+    dp4a.u32.s32 l, o, $5, l;
+    mad.lo.s32 $0, h, 254, l;
+    }""")
+
+    @triton.jit
+    def _bytes_dot(a, b, A_SIGNED: tl.constexpr):
+        """dp4a in integer ops, for the interpreter: the 4 bytes of a (signed or
+        not) times the 4 signed bytes of b, summed."""
+        total = a * 0
+        for i in tl.static_range(4):
+            if A_SIGNED:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & 255
+            total += ai * ((b << (24 - 8 * i)) >> 24)
+        return total
+
+    @triton.jit
+    def _int8_word_dot(w, x_hi, x_lo, INTERPRET: tl.constexpr):
+        """Per int32 word of 4 int8 codes: codes . x_hi * X_LO + codes . x_lo."""
+        if INTERPRET:  # no PTX there
+            return _bytes_dot(w, x_hi, True) * 254 + _bytes_dot(w, x_lo, True)
+        return tl.inline_asm_elementwise(DP4A_INT8, "=r,r,r,r", [w, x_hi, x_lo], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _int4_word_dot(w, xe_hi, xo_hi, xe_lo, xo_lo, INTERPRET: tl.constexpr):
+        """Per int32 word of 8 int4 codes q (high nibbles: even k, low: odd k):
+        q . x_hi * X_LO + q . x_lo, x's planes split into even and odd k."""
+        if INTERPRET:
+            e, o = (w >> 4) & 0x0F0F0F0F, w & 0x0F0F0F0F
+            return (_bytes_dot(e, xe_hi, False) + _bytes_dot(o, xo_hi, False)) * 254 \
+                + _bytes_dot(e, xe_lo, False) + _bytes_dot(o, xo_lo, False)
+        return tl.inline_asm_elementwise(DP4A_INT4, "=r,r,r,r,r,r", [w, xe_hi, xo_hi, xe_lo, xo_lo],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _int8_dp4a_kernel(xq_ptr, step_ptr, w_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+                          PDL: tl.constexpr):
+        _await_inputs(PDL)
+        # int8 codes, a scale per row (applied by the caller); x in blocks of XB
+        # inputs, each with its own step: y = sum_blocks step / X_LO (sum over the block's words).
+        BLOCKS: tl.constexpr = BLOCK_K // XB
+        WPB: tl.constexpr = XB // 4
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 4)
+        b_off = tl.arange(0, BLOCKS)
+        words = b_off[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCKS, WPB)
+        acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        for i in range(0, K_PER_SPLIT, BLOCK_K):
+            j = (k_start + i) // 4 + words
+            w = tl.load(w_rows + j[None, :, :], mask=row_ok[:, None, None])
+            x_hi = tl.load(xq_ptr + j)
+            x_lo = tl.load(xq_ptr + K // 4 + j)
+            d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2)
+            step = tl.load(step_ptr + (k_start + i) // XB + b_off)
+            acc += d.to(tl.float32) * (step * (1 / 254))[None, :]
+        tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
+
+    @triton.jit
+    def _int4_dp4a_kernel(xq_ptr, step_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        _await_inputs(PDL)
+        # int4 codes, w = (q - 8) s + z per group; x in blocks of one group
+        # (step and the sum of x per group):
+        #   y = sum_groups s step / X_LO (sum over the group's words) + (z - 8 s) sum x.
+        GROUPS: tl.constexpr = BLOCK_K // GROUP
+        WPG: tl.constexpr = GROUP // 8
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        n_groups = K // GROUP
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 8)
+        g_off = tl.arange(0, GROUPS)
+        words = g_off[:, None] * WPG + tl.arange(0, WPG)[None, :]  # (GROUPS, WPG)
+        plane = K // 8  # x's planes: hi even k, hi odd k, lo even k, lo odd k
+        acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        for i in range(0, K_PER_SPLIT, BLOCK_K):
+            j = (k_start + i) // 8 + words
+            w = tl.load(w_rows + j[None, :, :], mask=row_ok[:, None, None])
+            xe_hi = tl.load(xq_ptr + j)
+            xo_hi = tl.load(xq_ptr + plane + j)
+            xe_lo = tl.load(xq_ptr + 2 * plane + j)
+            xo_lo = tl.load(xq_ptr + 3 * plane + j)
+            d = tl.sum(_int4_word_dot(w, xe_hi[None], xo_hi[None], xe_lo[None], xo_lo[None], INTERPRET), axis=2)
+            g = (k_start + i) // GROUP + g_off
+            sz = rows[:, None] * n_groups + g[None, :]
+            s = tl.load(s_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
+            step = tl.load(step_ptr + g)
+            x_sum = tl.load(xs_ptr + g)
+            acc += d.to(tl.float32) * s * (step * (1 / 254))[None, :] + (z - 8 * s) * x_sum[None, :]
+        tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
+
 # 1.0's fp32 bits; for int8 codes also bit 22, the code's top bit flipped
 # (q + 128) where _code_as_float moves it.
 ONE_BITS = {4: 0x3F800000, 8: 0x3F800000 | 0x80 << 15}
@@ -270,6 +402,78 @@ def _launch_grouped(x, codes, scale, zero, cfg, launch):
     return out
 
 
+X_LO = 254  # the lo plane's unit: step / X_LO (|lo| <= 127 holds hi's rounding error, at most step / 2)
+
+
+def int8_activation(x: torch.Tensor, block: int, interleave: bool):
+    """x (K,) as int8 planes for the dp4a kernels: per block of inputs a step
+    (its largest |x| / 127), hi = round(x / step) and lo = the rounding error
+    in units of step / X_LO, so x = step (hi + lo / X_LO) within step / 508
+    (relative to the block's largest |x|: 1.6e-5). Torch ops: inductor fuses
+    them into the kernel that produces x.
+
+    Returns the planes as int32 words (hi then lo; with interleave, each split
+    into even and odd k, the int4 codes' nibble order), the steps, and each
+    block's sum of the represented x (for the int4 zero term)."""
+    xf = x.float().reshape(-1, block)
+    step = xf.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
+    hi = torch.round(xf / step)
+    lo = torch.round((xf - hi * step) * (X_LO / step))
+    sums = ((hi + lo / X_LO) * step).sum(1)
+    planes = torch.stack([hi, lo]).to(torch.int8)
+    if interleave:  # (2, K/8, 4, 2) -> (2, 2 parity, K/8, 4)
+        planes = planes.reshape(2, -1, 4, 2).permute(0, 3, 1, 2)
+    return planes.contiguous().view(-1).view(torch.int32), step.view(-1), sums
+
+
+def dp4a_block(k: int) -> int | None:
+    """The block of inputs that shares an int8 step for int8 weights (at most
+    256, so the merged word sums fit int32)."""
+    return next((b for b in (256, 128, 64, 32) if k % b == 0), None)
+
+
+def _launch_int8_dp4a(xq, step, w, cfg, launch):
+    n, k = w.shape
+    block_n, block_k, split_k, warps = cfg
+    out = torch.empty((split_k, n), device=w.device, dtype=torch.float32)
+    pdl = early_launch(w.device)
+    launch(_int8_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
+        xq, step, w.view(torch.int32), out, n, k, k // split_k, XB=k // step.shape[0], BLOCK_N=block_n,
+        BLOCK_K=block_k, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
+    return out
+
+
+def _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, launch):
+    n, k = codes.shape[0], codes.shape[1] * 2
+    block_n, block_k, split_k, warps = cfg
+    out = torch.empty((split_k, n), device=codes.device, dtype=torch.float32)
+    pdl = early_launch(codes.device)
+    launch(_int4_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
+        xq, step, x_sum, codes.view(torch.int32), scale, zero, out, n, k, k // split_k,
+        GROUP=k // scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return out
+
+
+def int8_dp4a_config(w: torch.Tensor) -> tuple[int, int, int, int]:
+    return config("8d", *w.shape, dp4a_block(w.shape[1]))
+
+
+def int4_dp4a_config(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int, int]:
+    k = codes.shape[1] * 2
+    return config("4d", codes.shape[0], k, k // scale.shape[1])
+
+
+def uses_dp4a(x: torch.Tensor, codes: torch.Tensor, group: int | None = None) -> bool:
+    """int8 (a scale per row) or int4 codes, a half-precision x: the dp4a kernels."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if codes.dtype == torch.int8:
+        return group is None and dp4a_block(codes.shape[1]) is not None
+    return codes.dtype == torch.uint8 and group in (32, 64, 128, 256)
+
+
 def _direct(kernel):
     return kernel
 
@@ -283,16 +487,6 @@ def _shapes_only(kernel):
     """A launcher that launches nothing: the ops' fake implementations run the
     launch code for the output it allocates."""
     return _Skip()
-
-
-def scaled_gemv_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(SPLIT_K, N) fp32 partial sums of w @ x for a (K,) vector x, launched directly."""
-    return _launch_scaled(x.contiguous(), w, scaled_config(w), _direct)
-
-
-def grouped_gemv_partials(x, codes, scale, zero) -> torch.Tensor:
-    """(SPLIT_K, N) fp32 partial sums of groupwise int4 or int8 weights times a (K,) vector x."""
-    return _launch_grouped(x.contiguous(), codes, scale, zero, grouped_config(codes, scale), _direct)
 
 
 if triton is not None:
@@ -319,17 +513,56 @@ if triton is not None:
     def _(x, codes, scale, zero, cfg):
         return _launch_grouped(x, codes, scale, zero, cfg, _shapes_only)
 
-    def scaled_gemv(x, w):
-        if x.is_cuda:
-            return _scaled_gemv_op(x.contiguous(), w, list(scaled_config(w)))
-        return scaled_gemv_partials(x, w)
+    @torch.library.custom_op("brisklm::int8_dp4a_gemv", mutates_args=())
+    def _int8_dp4a_op(xq: torch.Tensor, step: torch.Tensor, w: torch.Tensor, cfg: list[int]) -> torch.Tensor:
+        return _launch_int8_dp4a(xq, step, w, cfg, _direct)
 
-    def grouped_gemv(x, codes, scale, zero):
-        if x.is_cuda:
-            return _grouped_gemv_op(x.contiguous(), codes, scale, zero, list(grouped_config(codes, scale)))
-        return grouped_gemv_partials(x, codes, scale, zero)
-else:
-    scaled_gemv, grouped_gemv = scaled_gemv_partials, grouped_gemv_partials
+    @_int8_dp4a_op.register_fake
+    def _(xq, step, w, cfg):
+        return _launch_int8_dp4a(xq, step, w, cfg, _shapes_only)
+
+    @torch.library.custom_op("brisklm::int4_dp4a_gemv", mutates_args=())
+    def _int4_dp4a_op(xq: torch.Tensor, step: torch.Tensor, x_sum: torch.Tensor, codes: torch.Tensor,
+                      scale: torch.Tensor, zero: torch.Tensor, cfg: list[int]) -> torch.Tensor:
+        return _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, _direct)
+
+    @_int4_dp4a_op.register_fake
+    def _(xq, step, x_sum, codes, scale, zero, cfg):
+        return _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, _shapes_only)
+
+
+def scaled_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(SPLIT_K, N) fp32 partial sums of w @ x for a (K,) vector x: through
+    the custom ops on CUDA, launched directly otherwise (the interpreter)."""
+    if uses_dp4a(x, w):
+        xq, step, _ = int8_activation(x, dp4a_block(w.shape[1]), interleave=False)
+        return int8_dp4a_gemv(xq, step, w)
+    x, cfg = x.contiguous(), list(scaled_config(w))
+    return _scaled_gemv_op(x, w, cfg) if x.is_cuda else _launch_scaled(x, w, cfg, _direct)
+
+
+def grouped_gemv(x, codes, scale, zero) -> torch.Tensor:
+    """(SPLIT_K, N) fp32 partial sums of groupwise int4 or int8 weights times a (K,) vector x."""
+    group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
+    if uses_dp4a(x, codes, group):
+        return int4_dp4a_gemv(*int8_activation(x, group, interleave=True), codes, scale, zero)
+    x, cfg = x.contiguous(), list(grouped_config(codes, scale))
+    return _grouped_gemv_op(x, codes, scale, zero, cfg) if x.is_cuda else _launch_grouped(x, codes, scale, zero, cfg,
+                                                                                          _direct)
+
+
+def int8_dp4a_gemv(xq, step, w) -> torch.Tensor:
+    """scaled_gemv's int8 partial sums for an x already in int8 planes (int8_activation)."""
+    cfg = list(int8_dp4a_config(w))
+    return _int8_dp4a_op(xq, step, w, cfg) if w.is_cuda else _launch_int8_dp4a(xq, step, w, cfg, _direct)
+
+
+def int4_dp4a_gemv(xq, step, x_sum, codes, scale, zero) -> torch.Tensor:
+    """grouped_gemv's int4 partial sums for an x already in int8 planes (interleaved)."""
+    cfg = list(int4_dp4a_config(codes, scale))
+    if codes.is_cuda:
+        return _int4_dp4a_op(xq, step, x_sum, codes, scale, zero, cfg)
+    return _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, _direct)
 
 
 def int4_gemv(x, packed, scale, zero):
