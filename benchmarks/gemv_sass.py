@@ -33,7 +33,7 @@ CASES = {
     "int4-dp4a": (gemv._int4_dp4a_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False}),
 }
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*fp32",
-            "xq_ptr": "*i32", "step_ptr": "*fp32", "xs_ptr": "*fp32"}
+}
 
 
 def compile_sm90(kind: str):

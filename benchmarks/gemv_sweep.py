@@ -20,7 +20,6 @@ The table printed last is the summary.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 
@@ -62,8 +61,6 @@ def make(kind: str, w: torch.Tensor):
         parts = (quantize_int8 if kind == "int8" else quantize_fp8)(w)
         q, s = parts[kind], parts["scale"]
         raw = lambda x: gemv.scaled_gemv(x, q)  # noqa: E731
-        if kind == "int8":  # the dp4a kernel alone: the model's compiled step packs x in the kernel before
-            raw = lambda x: gemv.int8_dp4a_gemv(*packed(x, gemv.dp4a_block(w.shape[1]), False)[:2], q)  # noqa: E731
         return (lambda x: raw(x).sum(0) * s), raw, dequantize(parts).double(), q.numel() + s.numel() * 2
     group = int(kind.split("g")[1])
     if kind.startswith("int8"):  # a fp16 scale per group: GGUF Q8_0
@@ -75,14 +72,8 @@ def make(kind: str, w: torch.Tensor):
     parts = quantize_int4(w, group, torch.bfloat16)
     p, s, z = parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16()
     ref = dequantize({"int4": p, "scale": s.float(), "zero": z.float()})
-    raw = lambda x: gemv.int4_dp4a_gemv(*packed(x, group, True), p, s, z)  # noqa: E731
+    raw = lambda x: gemv.int4_gemv(x, p, s, z)  # noqa: E731
     return (lambda x: raw(x).sum(0)), raw, ref.double(), p.numel() + 4 * s.numel()
-
-
-@functools.lru_cache(maxsize=1)
-def packed(x, block, interleave):
-    """x in int8 planes for the dp4a kernels, once per x (outside the timed graph)."""
-    return gemv.int8_activation(x, block, interleave)
 
 
 def width_key(kind: str):

@@ -57,7 +57,7 @@ for n, k in SHAPES:
         err = ((y - ref).norm() / ref.norm()).item()
         worst = max(worst, err)
         # int8 and int4 with a bf16 x go through dp4a, x as int8 planes within
-        # 1.6e-5 of each block's largest |x| (gemv.int8_activation); the rest sums in fp32
+        # 1.6e-5 of each block's largest |x| (gemv._x_planes); the rest sums in fp32
         assert err < (1e-4 if name == "int8" or name.startswith("int4") else 1e-5), (n, k, name, err)
 print("worst relative error", worst)
 """
@@ -214,11 +214,8 @@ scale, zero = q4["scale"].bfloat16(), q4["zero"].bfloat16()
 cases = [(gemv._scaled_gemv_op, (x, w16, list(gemv.scaled_config(w16)))),
          (gemv._scaled_gemv_op, (x, w8, list(gemv.scaled_config(w8)))),
          (gemv._grouped_gemv_op, (x, q4["int4"], scale, zero, list(gemv.grouped_config(q4["int4"], scale))))]
-xq, step, _ = gemv.int8_activation(x, gemv.dp4a_block(64), interleave=False)
-cases.append((gemv._int8_dp4a_op, (xq, step, w8, list(gemv.int8_dp4a_config(w8)))))
-xq, step, x_sum = gemv.int8_activation(x, 32, interleave=True)
-cases.append((gemv._int4_dp4a_op, (xq, step, x_sum, q4["int4"], scale, zero,
-                                   list(gemv.int4_dp4a_config(q4["int4"], scale)))))
+cases.append((gemv._int8_dp4a_op, (x, w8, list(gemv.int8_dp4a_config(w8)))))
+cases.append((gemv._int4_dp4a_op, (x, q4["int4"], scale, zero, list(gemv.int4_dp4a_config(q4["int4"], scale)))))
 for int8 in (False, True):
     cache = KVCache(1, 2, 48, 32, torch.bfloat16, "cpu", int8)
     qkv = torch.randn((4 + 2 * 2) * 32).to(torch.bfloat16)
@@ -322,23 +319,38 @@ def test_dp4a_ptx_matches_the_interpreted_integer_path():
         assert _run_ptx(gemv.DP4A_INT8.value, {"$1": w, "$2": xe_hi, "$3": xe_lo})["$0"] == want
 
 
-def test_int8_activation_represents_x_within_its_bound():
-    """x = step (hi + lo / X_LO) within step / 508 per block, at any scale and
-    with outliers; the planes' layout is what the kernels read."""
-    import torch
+REPRESENTATION_CHILD = r"""
+import torch
+from brisklm.kernels import gemv
+from brisklm.quantize import pack_int4
+# Weights that pick one input per row (the identity): each output is x as the
+# dp4a kernels represent it, step (hi + lo / X_LO), which must be within
+# step / (2 X_LO) of x (step: the block's largest |x| / 127).
+torch.manual_seed(0)
+k = 512
+eye = torch.eye(k)
+int8 = (eye * 127).to(torch.int8), torch.full((k,), 1 / 127)
+for scale in (1e-6, 1.0, 3e4):
+    x = (torch.randn(k) * torch.where(torch.rand(k) < 0.03, 50.0, 1.0) * scale).to(torch.bfloat16)
+    xf = x.double()
+    block = gemv.dp4a_block(k)
+    step = xf.reshape(-1, block).abs().amax(1).repeat_interleave(block) / 127
+    y = gemv.scaled_gemv(x, int8[0]).sum(0).double() * int8[1].double()
+    err = ((y - xf).abs() / step).max().item()
+    assert err <= 1 / (2 * gemv.X_LO) + 1e-5, ("int8", scale, err)
+    for group in (32, 128):
+        codes = pack_int4((4 * eye).to(torch.uint8))  # (q - 8) s + z with z = 8 s: 1 and 0 exactly
+        s = torch.full((k, k // group), 0.25, dtype=torch.bfloat16)
+        y = gemv.int4_gemv(x, codes, s, s * 8).sum(0).double()
+        step = (xf.reshape(-1, group).abs().amax(1) / 127).repeat_interleave(group)
+        err = ((y - xf).abs() / step).max().item()
+        assert err <= 1 / (2 * gemv.X_LO) + 1e-5, ("int4", group, scale, err)
+print("represented ok")
+"""
 
-    from brisklm.kernels import gemv
-    torch.manual_seed(0)
-    for scale in (1e-6, 1.0, 3e4):
-        x = (torch.randn(512) * torch.where(torch.rand(512) < 0.03, 50.0, 1.0) * scale).to(torch.bfloat16)
-        for block, interleave in ((128, False), (32, True)):
-            xq, step, sums = gemv.int8_activation(x, block, interleave)
-            planes = xq.view(torch.int8).reshape(2, -1).float()
-            if interleave:  # (2, 2 parity, K/8, 4) back to k order
-                planes = planes.reshape(2, 2, -1, 4).permute(0, 2, 3, 1).reshape(2, -1)
-            steps = step.repeat_interleave(block)
-            rebuilt = steps * (planes[0] + planes[1] / gemv.X_LO)
-            err = (rebuilt - x.float()).abs() / steps
-            assert err.max() <= 1 / (2 * gemv.X_LO) + 1e-6, (scale, block, err.max())
-            assert planes.abs().max() <= 127
-            assert torch.allclose(sums, rebuilt.reshape(-1, block).sum(1), rtol=1e-5, atol=0)
+
+def test_dp4a_kernels_represent_x_within_their_bound():
+    """x's int8 planes inside the dp4a kernels hold x within step / 508 per
+    block of inputs, at any scale and with outliers, read through identity
+    weights (int8, and int4 with its nibble order and zero term)."""
+    assert "represented ok" in run_interpreted(REPRESENTATION_CHILD)

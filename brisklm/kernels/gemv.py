@@ -21,12 +21,11 @@ its own.
                 bitwise op and one FMA (see _code_as_float).
 
 With a bf16 or fp16 x (every GPU model), int8 and int4 codes go through dp4a
-instead (_int8_dp4a_kernel, _int4_dp4a_kernel): x becomes two int8 planes
-per block of inputs (int8_activation, torch ops that inductor fuses into the
-kernel producing x), and each instruction sums four exact integer products:
-about 2 instructions a code against 4.3-4.9 (sm_90 SASS,
-benchmarks/gemv_sass.py), for an error from x's representation within
-1.6e-5 of each block's largest |x|.
+instead (_int8_dp4a_kernel, _int4_dp4a_kernel): each program turns its
+slice of x into two int8 planes per block of inputs (_x_planes), and each
+instruction sums four exact integer products: about 2 instructions a code
+against 4.3-4.9 (sm_90 SASS, benchmarks/gemv_sass.py), for an error from x's
+representation within 1.6e-5 of each block's largest |x|.
 
 Block sizes come from `config`, chosen by measurement on an H200
 (benchmarks/gemv_sweep.py). The same launchers run under TRITON_INTERPRET=1
@@ -234,7 +233,7 @@ if triton is not None:
 
 
     # dp4a: four int8 products summed into an int32 in one instruction. The
-    # activation comes as two int8 planes per block of inputs (int8_activation:
+    # activation becomes two int8 planes per block of inputs (_x_planes:
     # x ~ step (hi + lo / X_LO)), so codes times x are exact integer sums; the
     # two planes' sums of a word are merged as hi X_LO + lo (fits int32 for
     # blocks of up to 256 inputs), reduced over the block, then scaled once.
@@ -290,7 +289,26 @@ if triton is not None:
                                          dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
-    def _int8_dp4a_kernel(xq_ptr, step_ptr, w_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
+    def _x_planes(xf):
+        """x (blocks, inputs) as int8-valued planes: per block a step (its
+        largest |x| / 127), hi = round(x / step) and lo = hi's rounding error
+        in units of step / X_LO, so x = step (hi + lo / X_LO) within step / 508
+        (1.6e-5 of the block's largest |x|). Each program computes them for
+        its slice of x: no kernel before the GEMV to pack x."""
+        step = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30) * (1 / 127)
+        inv = 1 / step[:, None]
+        hi = tl.floor(xf * inv + 0.5)
+        lo = tl.floor((xf - hi * step[:, None]) * (254 * inv) + 0.5)
+        return hi, lo, step
+
+    @triton.jit
+    def _as_words(v):
+        """(..., 4) int8-valued floats -> (...) int32 words, byte i = v[..., i]."""
+        b = v.to(tl.int32) & 255
+        return tl.sum(b << (8 * tl.arange(0, 4)), axis=-1)
+
+    @triton.jit
+    def _int8_dp4a_kernel(x_ptr, w_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
                           PDL: tl.constexpr):
         _await_inputs(PDL)
@@ -303,27 +321,25 @@ if triton is not None:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 4)
-        b_off = tl.arange(0, BLOCKS)
-        words = b_off[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCKS, WPB)
+        words = tl.arange(0, BLOCKS)[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCKS, WPB)
         acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
-            j = (k_start + i) // 4 + words
-            w = tl.load(w_rows + j[None, :, :], mask=row_ok[:, None, None])
-            x_hi = tl.load(xq_ptr + j)
-            x_lo = tl.load(xq_ptr + K // 4 + j)
+            w = tl.load(w_rows + ((k_start + i) // 4 + words)[None, :, :], mask=row_ok[:, None, None])
+            xf = tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)
+            hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
+            x_hi = _as_words(tl.reshape(hi, (BLOCKS, WPB, 4)))
+            x_lo = _as_words(tl.reshape(lo, (BLOCKS, WPB, 4)))
             d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2)
-            step = tl.load(step_ptr + (k_start + i) // XB + b_off)
             acc += d.to(tl.float32) * (step * (1 / 254))[None, :]
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
 
     @triton.jit
-    def _int4_dp4a_kernel(xq_ptr, step_ptr, xs_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
+    def _int4_dp4a_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
-        # int4 codes, w = (q - 8) s + z per group; x in blocks of one group
-        # (step and the sum of x per group):
+        # int4 codes, w = (q - 8) s + z per group; x in blocks of one group:
         #   y = sum_groups s step / X_LO (sum over the group's words) + (z - 8 s) sum x.
         GROUPS: tl.constexpr = BLOCK_K // GROUP
         WPG: tl.constexpr = GROUP // 8
@@ -335,23 +351,22 @@ if triton is not None:
         w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 8)
         g_off = tl.arange(0, GROUPS)
         words = g_off[:, None] * WPG + tl.arange(0, WPG)[None, :]  # (GROUPS, WPG)
-        plane = K // 8  # x's planes: hi even k, hi odd k, lo even k, lo odd k
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
-            j = (k_start + i) // 8 + words
-            w = tl.load(w_rows + j[None, :, :], mask=row_ok[:, None, None])
-            xe_hi = tl.load(xq_ptr + j)
-            xo_hi = tl.load(xq_ptr + plane + j)
-            xe_lo = tl.load(xq_ptr + 2 * plane + j)
-            xo_lo = tl.load(xq_ptr + 3 * plane + j)
-            d = tl.sum(_int4_word_dot(w, xe_hi[None], xo_hi[None], xe_lo[None], xo_lo[None], INTERPRET), axis=2)
+            w = tl.load(w_rows + ((k_start + i) // 8 + words)[None, :, :], mask=row_ok[:, None, None])
             g = (k_start + i) // GROUP + g_off
             sz = rows[:, None] * n_groups + g[None, :]
             s = tl.load(s_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
             z = tl.load(z_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
-            step = tl.load(step_ptr + g)
-            x_sum = tl.load(xs_ptr + g)
+            xf = tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)
+            hi, lo, step = _x_planes(tl.reshape(xf, (GROUPS, GROUP)))
+            x_sum = tl.sum(hi + lo * (1 / 254), axis=1) * step
+            # a word's 8 codes: high nibbles even k, low nibbles odd k
+            hi_even, hi_odd = tl.split(tl.reshape(hi, (GROUPS, WPG, 4, 2)))
+            lo_even, lo_odd = tl.split(tl.reshape(lo, (GROUPS, WPG, 4, 2)))
+            d = tl.sum(_int4_word_dot(w, _as_words(hi_even)[None], _as_words(hi_odd)[None],
+                                      _as_words(lo_even)[None], _as_words(lo_odd)[None], INTERPRET), axis=2)
             acc += d.to(tl.float32) * s * (step * (1 / 254))[None, :] + (z - 8 * s) * x_sum[None, :]
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
 
@@ -405,52 +420,31 @@ def _launch_grouped(x, codes, scale, zero, cfg, launch):
 X_LO = 254  # the lo plane's unit: step / X_LO (|lo| <= 127 holds hi's rounding error, at most step / 2)
 
 
-def int8_activation(x: torch.Tensor, block: int, interleave: bool):
-    """x (K,) as int8 planes for the dp4a kernels: per block of inputs a step
-    (its largest |x| / 127), hi = round(x / step) and lo = the rounding error
-    in units of step / X_LO, so x = step (hi + lo / X_LO) within step / 508
-    (relative to the block's largest |x|: 1.6e-5). Torch ops: inductor fuses
-    them into the kernel that produces x.
-
-    Returns the planes as int32 words (hi then lo; with interleave, each split
-    into even and odd k, the int4 codes' nibble order), the steps, and each
-    block's sum of the represented x (for the int4 zero term)."""
-    xf = x.float().reshape(-1, block)
-    step = xf.abs().amax(1, keepdim=True).clamp_min(1e-30) / 127
-    hi = torch.round(xf / step)
-    lo = torch.round((xf - hi * step) * (X_LO / step))
-    sums = ((hi + lo / X_LO) * step).sum(1)
-    planes = torch.stack([hi, lo]).to(torch.int8)
-    if interleave:  # (2, K/8, 4, 2) -> (2, 2 parity, K/8, 4)
-        planes = planes.reshape(2, -1, 4, 2).permute(0, 3, 1, 2)
-    return planes.contiguous().view(-1).view(torch.int32), step.view(-1), sums
-
-
 def dp4a_block(k: int) -> int | None:
     """The block of inputs that shares an int8 step for int8 weights (at most
     256, so the merged word sums fit int32)."""
     return next((b for b in (256, 128, 64, 32) if k % b == 0), None)
 
 
-def _launch_int8_dp4a(xq, step, w, cfg, launch):
+def _launch_int8_dp4a(x, w, cfg, launch):
     n, k = w.shape
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=w.device, dtype=torch.float32)
     pdl = early_launch(w.device)
     launch(_int8_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
-        xq, step, w.view(torch.int32), out, n, k, k // split_k, XB=k // step.shape[0], BLOCK_N=block_n,
+        x, w.view(torch.int32), out, n, k, k // split_k, XB=dp4a_block(k), BLOCK_N=block_n,
         BLOCK_K=block_k, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl, num_warps=warps,
         launch_pdl=pdl)
     return out
 
 
-def _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, launch):
+def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch):
     n, k = codes.shape[0], codes.shape[1] * 2
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=codes.device, dtype=torch.float32)
     pdl = early_launch(codes.device)
     launch(_int4_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
-        xq, step, x_sum, codes.view(torch.int32), scale, zero, out, n, k, k // split_k,
+        x, codes.view(torch.int32), scale, zero, out, n, k, k // split_k,
         GROUP=k // scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
@@ -514,55 +508,47 @@ if triton is not None:
         return _launch_grouped(x, codes, scale, zero, cfg, _shapes_only)
 
     @torch.library.custom_op("brisklm::int8_dp4a_gemv", mutates_args=())
-    def _int8_dp4a_op(xq: torch.Tensor, step: torch.Tensor, w: torch.Tensor, cfg: list[int]) -> torch.Tensor:
-        return _launch_int8_dp4a(xq, step, w, cfg, _direct)
+    def _int8_dp4a_op(x: torch.Tensor, w: torch.Tensor, cfg: list[int]) -> torch.Tensor:
+        return _launch_int8_dp4a(x, w, cfg, _direct)
 
     @_int8_dp4a_op.register_fake
-    def _(xq, step, w, cfg):
-        return _launch_int8_dp4a(xq, step, w, cfg, _shapes_only)
+    def _(x, w, cfg):
+        return _launch_int8_dp4a(x, w, cfg, _shapes_only)
 
     @torch.library.custom_op("brisklm::int4_dp4a_gemv", mutates_args=())
-    def _int4_dp4a_op(xq: torch.Tensor, step: torch.Tensor, x_sum: torch.Tensor, codes: torch.Tensor,
-                      scale: torch.Tensor, zero: torch.Tensor, cfg: list[int]) -> torch.Tensor:
-        return _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, _direct)
+    def _int4_dp4a_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                      cfg: list[int]) -> torch.Tensor:
+        return _launch_int4_dp4a(x, codes, scale, zero, cfg, _direct)
 
     @_int4_dp4a_op.register_fake
-    def _(xq, step, x_sum, codes, scale, zero, cfg):
-        return _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, _shapes_only)
+    def _(x, codes, scale, zero, cfg):
+        return _launch_int4_dp4a(x, codes, scale, zero, cfg, _shapes_only)
 
 
 def scaled_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(SPLIT_K, N) fp32 partial sums of w @ x for a (K,) vector x: through
     the custom ops on CUDA, launched directly otherwise (the interpreter)."""
+    x = x.contiguous()
     if uses_dp4a(x, w):
-        xq, step, _ = int8_activation(x, dp4a_block(w.shape[1]), interleave=False)
-        return int8_dp4a_gemv(xq, step, w)
-    x, cfg = x.contiguous(), list(scaled_config(w))
+        cfg = list(int8_dp4a_config(w))
+        return _int8_dp4a_op(x, w, cfg) if x.is_cuda else _launch_int8_dp4a(x, w, cfg, _direct)
+    cfg = list(scaled_config(w))
     return _scaled_gemv_op(x, w, cfg) if x.is_cuda else _launch_scaled(x, w, cfg, _direct)
 
 
 def grouped_gemv(x, codes, scale, zero) -> torch.Tensor:
     """(SPLIT_K, N) fp32 partial sums of groupwise int4 or int8 weights times a (K,) vector x."""
+    x = x.contiguous()
     group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
     if uses_dp4a(x, codes, group):
-        return int4_dp4a_gemv(*int8_activation(x, group, interleave=True), codes, scale, zero)
-    x, cfg = x.contiguous(), list(grouped_config(codes, scale))
-    return _grouped_gemv_op(x, codes, scale, zero, cfg) if x.is_cuda else _launch_grouped(x, codes, scale, zero, cfg,
-                                                                                          _direct)
-
-
-def int8_dp4a_gemv(xq, step, w) -> torch.Tensor:
-    """scaled_gemv's int8 partial sums for an x already in int8 planes (int8_activation)."""
-    cfg = list(int8_dp4a_config(w))
-    return _int8_dp4a_op(xq, step, w, cfg) if w.is_cuda else _launch_int8_dp4a(xq, step, w, cfg, _direct)
-
-
-def int4_dp4a_gemv(xq, step, x_sum, codes, scale, zero) -> torch.Tensor:
-    """grouped_gemv's int4 partial sums for an x already in int8 planes (interleaved)."""
-    cfg = list(int4_dp4a_config(codes, scale))
-    if codes.is_cuda:
-        return _int4_dp4a_op(xq, step, x_sum, codes, scale, zero, cfg)
-    return _launch_int4_dp4a(xq, step, x_sum, codes, scale, zero, cfg, _direct)
+        cfg = list(int4_dp4a_config(codes, scale))
+        if x.is_cuda:
+            return _int4_dp4a_op(x, codes, scale, zero, cfg)
+        return _launch_int4_dp4a(x, codes, scale, zero, cfg, _direct)
+    cfg = list(grouped_config(codes, scale))
+    if x.is_cuda:
+        return _grouped_gemv_op(x, codes, scale, zero, cfg)
+    return _launch_grouped(x, codes, scale, zero, cfg, _direct)
 
 
 def int4_gemv(x, packed, scale, zero):
