@@ -188,3 +188,41 @@ def test_int8_kv_cache_on_the_real_model(smollm2_gguf):
     llm.generator.model.setup_caches(1, 128, True)  # the generator's own cache again
     llm.generator.cached = []
     assert "Paris" in llm.generate("The capital of France is", max_new_tokens=8, temperature=0)
+
+
+PRECOMPILE_CHILD = r"""
+import torch
+from torch._dynamo.utils import counters
+import brisklm.generate as g
+from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.sampling import SamplingParams
+g.causal_block_mask = lambda *a, **k: None  # no flex attention: the path CUDA takes (its attention kernel)
+args = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+model = build_model(args, random_state_dict(args, torch.float32, seed=0, std=0.3))
+gen = g.Generator(model, 64, compile=True)
+print("tokens", list(gen.tokens([1, 2, 3], 10, SamplingParams())))
+print("hits", counters["dynamo_cache"]["dynamo_cache_hit"])
+"""
+
+
+def test_compiled_decode_step_is_loaded_back_without_tracing(tmp_path):
+    """The second process loads the decode step that the first traced and
+    compiled (Dynamo's output included) and decodes the same tokens."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", PRECOMPILE_CHILD], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (dict(line.split(" ", 1) for line in run.stdout.splitlines()) for run in runs)
+    assert first["hits"] == "0" and second["hits"] == "1"
+    assert first["tokens"] == second["tokens"]
+    saved, = (tmp_path / "brisklm").glob("decode-*.bin")
+    saved.write_bytes(b"not a cache")  # a damaged file costs nothing but time
+    third = subprocess.run([sys.executable, "-c", PRECOMPILE_CHILD], env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert dict(line.split(" ", 1) for line in third.stdout.splitlines())["tokens"] == first["tokens"]

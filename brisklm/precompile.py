@@ -1,0 +1,72 @@
+"""The compiled decode step kept across processes, Dynamo's tracing included.
+
+PyTorch's caches already keep the compiled kernels and graphs, but every
+start still traces the step in Python (Dynamo): ~10 s of a warm start for an
+8B model. With torch's caching_precompile, the traced result and its guards
+are saved too (torch.compiler.save_cache_artifacts) and loaded back
+(load_cache_artifacts) before compiling, and the next start skips tracing.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+import torch
+
+
+def artifacts_path(model, options: dict) -> str:
+    """Where the compiled decode step of this model (shapes, dtypes, options,
+    torch version) is saved: in the compiler's cache folder, so a cold start,
+    with that folder empty, has none."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+    device = model.rope_cos.device
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    what = repr((torch.__version__, model.args, tensors, sorted(options.items()), where))
+    return os.path.join(cache_dir(), "brisklm", f"decode-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
+
+
+def precompiled(fn, options: dict, path: str):
+    """torch.compile(fn) whose traced graph (Dynamo's output with its guards)
+    is saved with the compiled code after the first call and loaded at the
+    next start, which then skips tracing (torch's caching_precompile): most of
+    a warm start. It is experimental in torch: an entry that does not load
+    back leaves a marker and a plain compile."""
+    broken = path + ".broken"
+    if os.path.exists(broken):
+        return torch.compile(fn, fullgraph=True, options=options)
+    loaded = os.path.exists(path)
+    try:
+        with torch._dynamo.config.patch(caching_precompile=True):
+            if loaded:
+                with open(path, "rb") as f:
+                    torch.compiler.load_cache_artifacts(f.read())
+            compiled = torch.compile(fn, fullgraph=True, options=options)
+    except Exception:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(broken, "w").close()
+        return torch.compile(fn, fullgraph=True, options=options)
+    first = [True]
+
+    def step(*args, **kwargs):
+        if not first[0]:
+            return compiled(*args, **kwargs)
+        guards_log = logging.getLogger("torch._dynamo.guards")  # one warning per global guard it drops
+        level = guards_log.level
+        guards_log.setLevel(logging.ERROR)
+        try:
+            with torch._dynamo.config.patch(caching_precompile=True):  # traces here unless loaded
+                out = compiled(*args, **kwargs)
+                artifacts = None if loaded else torch.compiler.save_cache_artifacts()
+        finally:
+            guards_log.setLevel(level)
+        first[0] = False
+        if artifacts:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + ".tmp", "wb") as f:
+                f.write(artifacts[0])
+            os.replace(path + ".tmp", path)
+        return out
+
+    return step
