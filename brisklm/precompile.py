@@ -23,7 +23,8 @@ def artifacts_path(model, options: dict) -> str:
     tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]]
     device = model.rope_cos.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    what = repr((torch.__version__, model.args, tensors, sorted(options.items()), where))
+    from .kernels import gemv  # its tuned blocks are constants of the traced step
+    what = repr((torch.__version__, model.args, tensors, sorted(options.items()), where, gemv.tuned()))
     return os.path.join(cache_dir(), "brisklm", f"decode-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
 
 
@@ -47,11 +48,12 @@ def precompiled(fn, options: dict, path: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         open(broken, "w").close()
         return torch.compile(fn, fullgraph=True, options=options)
-    first = [True]
+    state = {"step": compiled, "first": True}
 
     def step(*args, **kwargs):
-        if not first[0]:
-            return compiled(*args, **kwargs)
+        if not state["first"]:
+            return state["step"](*args, **kwargs)
+        state["first"] = False
         guards_log = logging.getLogger("torch._dynamo.guards")  # one warning per global guard it drops
         level = guards_log.level
         guards_log.setLevel(logging.ERROR)
@@ -59,9 +61,13 @@ def precompiled(fn, options: dict, path: str):
             with torch._dynamo.config.patch(caching_precompile=True):  # traces here unless loaded
                 out = compiled(*args, **kwargs)
                 artifacts = None if loaded else torch.compiler.save_cache_artifacts()
+        except Exception:  # not saved: the step compiled as usual
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(broken, "w").close()
+            state["step"] = torch.compile(fn, fullgraph=True, options=options)
+            return state["step"](*args, **kwargs)
         finally:
             guards_log.setLevel(level)
-        first[0] = False
         if artifacts:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path + ".tmp", "wb") as f:
