@@ -94,9 +94,11 @@ def beats_dense(n: int, k: int) -> bool:
 
 def early_launch(device: torch.device) -> bool:
     """Whether kernels on `device` launch while the kernel before them finishes
-    (programmatic dependent launch: Hopper and later; not under the interpreter)."""
+    (programmatic dependent launch: Hopper and later; not under the interpreter;
+    BRISKLM_PDL=0 turns it off, for profiles whose kernel times must not
+    include the wait for the kernel before)."""
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and os.environ.get("BRISKLM_PDL") != "0" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 if triton is not None:
