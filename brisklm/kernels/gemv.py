@@ -492,39 +492,20 @@ if triton is not None:
     # Their block sizes are an argument, a constant in the traced graph: the
     # output's shape (SPLIT_K, N) depends on them, so a compiled graph cached
     # on disk must not outlive a change of the tuned table.
-    @torch.library.custom_op("brisklm::scaled_gemv", mutates_args=())
-    def _scaled_gemv_op(x: torch.Tensor, w: torch.Tensor, cfg: list[int]) -> torch.Tensor:
-        return _launch_scaled(x, w, cfg, _direct)
+    def _gemv_op(name: str, launcher, schema: str):
+        """The op `name` running `launcher`, whose fake implementation runs the
+        same launch code for its output only."""
+        op = torch.library.custom_op(f"brisklm::{name}", lambda *args: launcher(*args, _direct), mutates_args=(),
+                                     schema=schema)
+        op.register_fake(lambda *args: launcher(*args, _shapes_only))
+        return op
 
-    @_scaled_gemv_op.register_fake
-    def _(x, w, cfg):
-        return _launch_scaled(x, w, cfg, _shapes_only)
-
-    @torch.library.custom_op("brisklm::grouped_gemv", mutates_args=())
-    def _grouped_gemv_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                         zero: torch.Tensor, cfg: list[int]) -> torch.Tensor:
-        return _launch_grouped(x, codes, scale, zero, cfg, _direct)
-
-    @_grouped_gemv_op.register_fake
-    def _(x, codes, scale, zero, cfg):
-        return _launch_grouped(x, codes, scale, zero, cfg, _shapes_only)
-
-    @torch.library.custom_op("brisklm::int8_dp4a_gemv", mutates_args=())
-    def _int8_dp4a_op(x: torch.Tensor, w: torch.Tensor, cfg: list[int]) -> torch.Tensor:
-        return _launch_int8_dp4a(x, w, cfg, _direct)
-
-    @_int8_dp4a_op.register_fake
-    def _(x, w, cfg):
-        return _launch_int8_dp4a(x, w, cfg, _shapes_only)
-
-    @torch.library.custom_op("brisklm::int4_dp4a_gemv", mutates_args=())
-    def _int4_dp4a_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                      cfg: list[int]) -> torch.Tensor:
-        return _launch_int4_dp4a(x, codes, scale, zero, cfg, _direct)
-
-    @_int4_dp4a_op.register_fake
-    def _(x, codes, scale, zero, cfg):
-        return _launch_int4_dp4a(x, codes, scale, zero, cfg, _shapes_only)
+    _scaled_gemv_op = _gemv_op("scaled_gemv", _launch_scaled, "(Tensor x, Tensor w, int[] cfg) -> Tensor")
+    _grouped_gemv_op = _gemv_op("grouped_gemv", _launch_grouped,
+                                "(Tensor x, Tensor codes, Tensor scale, Tensor zero, int[] cfg) -> Tensor")
+    _int8_dp4a_op = _gemv_op("int8_dp4a_gemv", _launch_int8_dp4a, "(Tensor x, Tensor w, int[] cfg) -> Tensor")
+    _int4_dp4a_op = _gemv_op("int4_dp4a_gemv", _launch_int4_dp4a,
+                             "(Tensor x, Tensor codes, Tensor scale, Tensor zero, int[] cfg) -> Tensor")
 
 
 def scaled_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
