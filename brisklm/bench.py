@@ -208,10 +208,11 @@ def run(opts) -> dict:
     from .api import load, log
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     log(f"Measuring the ceilings of {device}...")
+    group = f"-g{opts.groupsize}" if opts.quantize == "int4" else ""
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "model": opts.preset or opts.checkpoint_path or "default",
-              "quantize": opts.quantize and (opts.quantize + (f"-g{opts.groupsize}" if opts.quantize == "int4" else "")),
+              "quantize": opts.quantize and opts.quantize + group,
               "read_ceiling_gb_s": read_ceiling_gb_s(device),
               "matmul_tflops": matmul_tflops(device)}
     log(f"  read {result['read_ceiling_gb_s']:.0f} GB/s, bf16 matmul "

@@ -108,9 +108,9 @@ class Generator:
                 self._decode = precompiled(decode_one_token, options, artifacts_path(model, options))
             else:
                 self._decode = torch.compile(decode_one_token, fullgraph=True, options=options)
-        if compile_prefill:
-            self._prefill = torch.compile(prefill, fullgraph=True, dynamic=True,
-                                          options=compile_options)
+        if compile_prefill:  # dynamic lengths: a new prompt length does not compile again
+            options = compile_options or {}
+            self._prefill = precompiled(prefill, options, artifacts_path(model, options, "prefill"), dynamic=True)
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):

@@ -15,20 +15,20 @@ import os
 import torch
 
 
-def artifacts_path(model, options: dict) -> str:
-    """Where the compiled decode step of this model (shapes, dtypes, options,
-    torch version) is saved: in the compiler's cache folder, so a cold start,
-    with that folder empty, has none."""
+def artifacts_path(model, options: dict, step: str = "decode") -> str:
+    """Where the compiled `step` ("decode" or "prefill") of this model (shapes,
+    dtypes, options, torch version) is saved: in the compiler's cache folder,
+    so a cold start, with that folder empty, has none."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]]
     device = model.rope_cos.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     from .kernels import gemv  # its tuned blocks are constants of the traced step
     what = repr((torch.__version__, model.args, tensors, sorted(options.items()), where, gemv.tuned()))
-    return os.path.join(cache_dir(), "brisklm", f"decode-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
+    return os.path.join(cache_dir(), "brisklm", f"{step}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
 
 
-def precompiled(fn, options: dict, path: str):
+def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
     """torch.compile(fn) whose traced graph (Dynamo's output with its guards)
     is saved with the compiled code after the first call and loaded at the
     next start, which then skips tracing (torch's caching_precompile): most of
@@ -36,7 +36,7 @@ def precompiled(fn, options: dict, path: str):
     back leaves a marker and a plain compile."""
     broken = path + ".broken"
     if os.path.exists(broken):
-        return torch.compile(fn, fullgraph=True, options=options)
+        return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
     loaded = os.path.exists(path)
     try:
         # A loaded entry is rebuilt inside torch.compile() from the global
@@ -47,11 +47,11 @@ def precompiled(fn, options: dict, path: str):
             if loaded:
                 with open(path, "rb") as f:
                     torch.compiler.load_cache_artifacts(f.read())
-            compiled = torch.compile(fn, fullgraph=True, options=options)
+            compiled = torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
     except Exception:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         open(broken, "w").close()
-        return torch.compile(fn, fullgraph=True, options=options)
+        return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
     state = {"step": compiled, "first": True}
 
     def step(*args, **kwargs):
@@ -68,7 +68,7 @@ def precompiled(fn, options: dict, path: str):
         except Exception:  # not saved: the step compiled as usual
             os.makedirs(os.path.dirname(path), exist_ok=True)
             open(broken, "w").close()
-            state["step"] = torch.compile(fn, fullgraph=True, options=options)
+            state["step"] = torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
             return state["step"](*args, **kwargs)
         finally:
             guards_log.setLevel(level)

@@ -200,15 +200,18 @@ g.causal_block_mask = lambda *a, **k: None  # no flex attention: the path CUDA t
 args = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
 model = build_model(args, random_state_dict(args, torch.float32, seed=0, std=0.3))
-gen = g.Generator(model, 64, compile=True)
-print("tokens", list(gen.tokens([1, 2, 3], 10, SamplingParams())))
+gen = g.Generator(model, 64, compile=True, compile_prefill=True)
+print("tokens", list(gen.tokens([1, 2, 3], 10, SamplingParams())),
+      list(gen.tokens([4, 5, 6, 7, 8], 5, SamplingParams())))  # another prompt length: no new trace
 print("hits", counters["dynamo_cache"]["dynamo_cache_hit"])
+print("traced", counters["stats"]["unique_graphs"])
 """
 
 
 def test_compiled_decode_step_is_loaded_back_without_tracing(tmp_path):
-    """The second process loads the decode step that the first traced and
-    compiled (Dynamo's output included) and decodes the same tokens."""
+    """The second process loads the decode step and the dynamic-length prefill
+    that the first traced and compiled (Dynamo's output included), traces
+    nothing, and decodes the same tokens."""
     import os
     import subprocess
     import sys
@@ -218,7 +221,7 @@ def test_compiled_decode_step_is_loaded_back_without_tracing(tmp_path):
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     first, second = (dict(line.split(" ", 1) for line in run.stdout.splitlines()) for run in runs)
-    assert first["hits"] == "0" and second["hits"] == "1"
+    assert first["hits"] == "0" and second["hits"] == "2" and second["traced"] == "0"
     assert first["tokens"] == second["tokens"]
     saved, = (tmp_path / "brisklm").glob("decode-*.bin")
     saved.write_bytes(b"not a cache")  # a damaged file costs nothing but time
