@@ -1,7 +1,8 @@
 """Decode speed of several git revisions side by side, in one device call.
 
     python3 benchmarks/compare.py prepare main my-branch ...   # here: a copy of each under .variants/
-    python3 benchmarks/compare.py run [--only a,b] [--sweep int8] [-- --quantize int8 ...]   # on the GPU (carry .variants)
+    python3 benchmarks/compare.py run [--only a,b] [--sweep int8] [-- --quantize int8 ...]   # on the GPU
+    python3 benchmarks/compare.py run --each '--quantize int8' --each '--quantize int4'   # several configurations
 
 `prepare` writes each revision's files (git archive) to .variants/<name>
 (its tuned GEMV table completed by this checkout's), a folder to carry to the
@@ -10,8 +11,9 @@ device.
 compiler caches (compiling in parallel), then one after another, alone on
 the GPU, timed; each configuration twice, in alternating order, so a drift
 of the machine shows. Then each variant decodes 32 tokens greedily with
-`brisk generate` (same seeded random weights): variants that change no
-arithmetic must give the same token ids. Prints a table last.
+`brisk generate` (same seeded random weights, the first configuration):
+variants that change no arithmetic must give the same token ids. Prints a
+table per configuration last. Carry .variants to the device.
 """
 from __future__ import annotations
 
@@ -102,7 +104,9 @@ def decode_rate(log: str) -> str:
     return m.group(1) if m else "failed: " + text.strip().splitlines()[-1][:80]
 
 
-def run(extra: list[str], only: str | None = None, sweep: str | None = None):
+def run(configs: list[list[str]], only: str | None = None, sweep: str | None = None):
+    """configs: one list of extra `brisk bench` arguments per configuration
+    (e.g. int8, then int4), each benched for every variant."""
     names = sorted(n for n in os.listdir(VARIANTS) if os.path.isdir(os.path.join(VARIANTS, n))) \
         if os.path.isdir(VARIANTS) else []
     if only:
@@ -118,24 +122,30 @@ def run(extra: list[str], only: str | None = None, sweep: str | None = None):
             with open(os.path.join(out, f"{n}.sweep.log"), "w") as f:
                 f.write(done.stdout + done.stderr)
             print(f"{n}: swept {sweep}" + ("" if done.returncode == 0 else " (failed, see its log)"), flush=True)
-    warm = [bench(n, extra, os.path.join(out, f"{n}.compile.log")) for n in names]
+    warm = [bench(n, extra, os.path.join(out, f"{n}.c{c}.compile.log"))
+            for c, extra in enumerate(configs) for n in names]
     for p in warm:
         p.wait()
     print(f"compiled all in {time.time() - t0:.0f} s", flush=True)
-    rates = {n: [] for n in names}
-    for order in (names, names[::-1]):
-        for n in order:
-            log = os.path.join(out, f"{n}.{len(rates[n])}.log")
-            bench(n, extra, log).wait()
-            rates[n].append(decode_rate(log))
-            print(f"{n}: {rates[n][-1]}", flush=True)
-    ids = {n: token_ids(n, extra) for n in names}
-    print(f"\nbrisk bench {shlex.join(BENCH[3:] + extra)}; {time.time() - t0:.0f} s in all")
-    print("| variant | decode tok/s, first pass | second pass | greedy token ids (32) |\n| --- | --- | --- | --- |")
-    for n in names:
-        ok = not ids[n].startswith("failed") and n != names[0] and ids[n] == ids[names[0]]
-        same = "same as " + names[0] if ok else ids[n][:60]
-        print(f"| {n} | {' | '.join(rates[n])} | {same} |")
+    tables = []
+    for c, extra in enumerate(configs):
+        rates = {n: [] for n in names}
+        for order in (names, names[::-1]):
+            for n in order:
+                log = os.path.join(out, f"{n}.c{c}.{len(rates[n])}.log")
+                bench(n, extra, log).wait()
+                rates[n].append(decode_rate(log))
+                print(f"{n} {shlex.join(extra)}: {rates[n][-1]}", flush=True)
+        ids = {n: token_ids(n, extra) for n in names} if c == 0 else {}  # the first configuration's only
+        lines = [f"\nbrisk bench {shlex.join(BENCH[3:] + extra)}",
+                 "| variant | decode tok/s, first pass | second pass | greedy token ids (32) |",
+                 "| --- | --- | --- | --- |"]
+        for n in names:
+            got = ids.get(n, "(not run)")
+            ok = not got.startswith(("failed", "(")) and n != names[0] and got == ids[names[0]]
+            lines.append(f"| {n} | {' | '.join(rates[n])} | {'same as ' + names[0] if ok else got[:60]} |")
+        tables.append("\n".join(lines))
+    print(f"\n{time.time() - t0:.0f} s in all" + "".join(tables))
 
 
 def main():
@@ -144,8 +154,14 @@ def main():
     ap.add_argument("args", nargs="*", help="prepare: git revisions; run (after --): more `brisk bench` arguments")
     ap.add_argument("--only", help="run: the variants to bench, comma-separated, the reference first (default: all)")
     ap.add_argument("--sweep", help="run: gemv_sweep.py these kinds (e.g. int8,int4-g128) in each variant first")
+    ap.add_argument("--each", action="append", metavar="ARGS",
+                    help="run: one configuration's `brisk bench` arguments, quoted (repeat for several, e.g. "
+                         "--each '--quantize int8' --each '--quantize int4'); default: the arguments after --")
     args = ap.parse_intermixed_args()
-    prepare(args.args) if args.command == "prepare" else run(args.args, args.only, args.sweep)
+    if args.command == "prepare":
+        prepare(args.args)
+    else:
+        run([shlex.split(e) for e in args.each] if args.each else [args.args], args.only, args.sweep)
 
 
 if __name__ == "__main__":
