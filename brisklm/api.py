@@ -195,6 +195,15 @@ def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop) -> Iterator[str]:
         yield pending
 
 
+def usable_device(device: str) -> str:
+    """device, or a one-line error if torch cannot use it here."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise BriskError(f"device {device!r} is not usable: {str(e).splitlines()[0]}") from None
+    return device
+
+
 def load(path: str | None = None, *, device: str | None = None, dtype=None,
          compile: bool = False, compile_prefill: bool = False, max_seq_length: int | None = None,
          preset: str | None = None, quiet: bool = True, compile_options: dict | None = None,
@@ -214,11 +223,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     quantize = quantize or "none"
     if quantize not in QUANTIZE_MODES:
         raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(QUANTIZE_MODES)})")
-    device = device or default_device()
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:
-        raise BriskError(f"device {device!r} is not usable: {str(e).splitlines()[0]}") from None
+    device = usable_device(device or default_device())
     dtype = parse_dtype(dtype) or default_dtype(device)
     t0 = time.perf_counter()
     if preset is not None:

@@ -205,8 +205,8 @@ def _model_args(opts):
 
 def run(opts) -> dict:
     """Every figure for one model on one device; opts as parsed by the CLI."""
-    from .api import load, log
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from .api import load, log, usable_device
+    device = torch.device(usable_device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     log(f"Measuring the ceilings of {device}...")
     group = f"-g{opts.groupsize}" if opts.quantize == "int4" else ""
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -468,6 +468,11 @@ def test_cli_unknown_preset_prints_one_error_line(tmp_path):
     assert_cli_error(result, "no-such-preset")
 
 
+def test_cli_bench_on_an_unusable_device_prints_one_error_line(tmp_path):
+    result = run_cli(tmp_path, "bench", "--preset", "smollm2-135m", "--device", "no-such-device")
+    assert_cli_error(result, "no-such-device", "not usable")
+
+
 def test_cli_unknown_dtype_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "generate", "--dtype", "int3", "--preset", "smollm2-135m")
     assert_cli_error(result, "int3")
