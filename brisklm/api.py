@@ -225,6 +225,11 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(QUANTIZE_MODES)})")
     device = usable_device(device or default_device())
     dtype = parse_dtype(dtype) or default_dtype(device)
+    if compile_options:  # checked before loading, not at the first compile
+        from torch._inductor import list_options
+        unknown = sorted(set(compile_options) - set(list_options()))
+        if unknown:
+            raise BriskError(f"unknown compile option {unknown[0]!r} (torch._inductor.list_options() names them)")
     t0 = time.perf_counter()
     if preset is not None:
         from .presets import preset as get_preset

@@ -473,6 +473,12 @@ def test_cli_bench_on_an_unusable_device_prints_one_error_line(tmp_path):
     assert_cli_error(result, "no-such-device", "not usable")
 
 
+def test_cli_unknown_compile_option_prints_one_error_line(tmp_path):
+    result = run_cli(tmp_path, "generate", "--preset", "smollm2-135m", "--compile", "--prompt", "hi",
+                     "--compile_options", '{"no_such_option": 1}')
+    assert_cli_error(result, "no_such_option")
+
+
 def test_cli_unknown_dtype_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "generate", "--dtype", "int3", "--preset", "smollm2-135m")
     assert_cli_error(result, "int3")
