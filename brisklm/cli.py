@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(g)
     _sampling_flags(g)
     g.add_argument("--prompt", default="Hello, my name is")
-    g.add_argument("--num_samples", type=int, default=1)
+    g.add_argument("--num_samples", type=_positive_int, default=1)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of the last sample here")
     g.add_argument("--quiet", action="store_true", help="print only the generated text")
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(b)
     b.add_argument("--prompt_tokens", type=int, default=5)
     b.add_argument("--new_tokens", type=int, default=200)
-    b.add_argument("--samples", type=int, default=5)
+    b.add_argument("--samples", type=_positive_int, default=5)
     b.add_argument("--prefill", type=_int_list, default=None,
                    help="prompt lengths for prefill figures, comma-separated "
                         "(default 1024,8192 on GPUs, 128 on CPUs)")
@@ -115,6 +115,13 @@ def _json_dict(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 

@@ -479,6 +479,13 @@ def test_cli_unknown_compile_option_prints_one_error_line(tmp_path):
     assert_cli_error(result, "no_such_option")
 
 
+@pytest.mark.parametrize("command", [["generate", "--num_samples"], ["bench", "--samples"]])
+def test_cli_zero_samples_is_refused(tmp_path, command):
+    result = run_cli(tmp_path, *command, "0", "--preset", "smollm2-135m", "--device", "cpu")
+    assert "Traceback" not in result.stderr and result.returncode == 2, result.stderr
+    assert "must be >= 1, got 0" in result.stderr
+
+
 def test_cli_unknown_dtype_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "generate", "--dtype", "int3", "--preset", "smollm2-135m")
     assert_cli_error(result, "int3")
