@@ -104,8 +104,14 @@ class LLM:
         if max_seq_length is not None and max_seq_length < 1:
             raise BriskError(f"max_seq_length must be >= 1, got {max_seq_length}")
         length = max_seq_length or min(model.args.max_position_embeddings, 4096)
-        self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill,
-                                   compile_options=compile_options, kv_int8=kv_int8)
+        try:
+            self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill,
+                                       compile_options=compile_options, kv_int8=kv_int8)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            raise BriskError(f"max_seq_length {length}: the KV cache does not fit in memory "
+                             f"({str(e).splitlines()[0][:160]})") from None
 
     @property
     def stats(self):

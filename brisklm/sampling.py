@@ -21,11 +21,11 @@ class SamplingParams:
     min_p: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # (NaN too)
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:  # (comparisons with NaN are false)
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")

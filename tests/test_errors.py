@@ -417,10 +417,11 @@ def test_prompt_longer_than_the_context_is_refused(llm):
     brisk_error(e, "40 tokens", "context of 16 tokens")
 
 
-def test_negative_temperature_is_a_brisk_error(llm):
+@pytest.mark.parametrize("value", [-1.0, float("nan")])
+def test_negative_or_nan_temperature_is_a_brisk_error(llm, value):
     with pytest.raises(BriskError) as e:
-        llm.generate("hi", max_new_tokens=2, temperature=-1.0)
-    brisk_error(e, "temperature", "-1")
+        llm.generate("hi", max_new_tokens=2, temperature=value)
+    brisk_error(e, "temperature", str(value))
 
 
 def test_top_p_above_one_is_a_brisk_error(llm):
@@ -440,6 +441,12 @@ def test_non_positive_max_seq_length_is_a_brisk_error(hf_folder, length):
     with pytest.raises(BriskError) as e:
         brisklm.load(hf_folder, device="cpu", max_seq_length=length)
     brisk_error(e, "max_seq_length", str(length))
+
+
+def test_max_seq_length_too_large_for_memory_is_a_brisk_error(hf_folder):
+    with pytest.raises(BriskError) as e:
+        brisklm.load(hf_folder, device="cpu", max_seq_length=10**10)  # a KV cache of terabytes
+    brisk_error(e, "max_seq_length", "does not fit in memory")
 
 
 def test_unknown_device_is_a_brisk_error(hf_folder):
@@ -484,6 +491,13 @@ def test_cli_zero_samples_is_refused(tmp_path, command):
     result = run_cli(tmp_path, *command, "0", "--preset", "smollm2-135m", "--device", "cpu")
     assert "Traceback" not in result.stderr and result.returncode == 2, result.stderr
     assert "must be >= 1, got 0" in result.stderr
+
+
+def test_cli_quantize_to_an_unwritable_folder_prints_one_error_line(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf")
+    result = run_cli(tmp_path, "quantize", "--checkpoint_path", path, "--mode", "int8",
+                     "--output", "/proc/no-such-folder/out")
+    assert_cli_error(result, "/proc/no-such-folder/out", "cannot create")
 
 
 def test_cli_unknown_dtype_prints_one_error_line(tmp_path):

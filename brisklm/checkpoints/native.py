@@ -26,7 +26,10 @@ def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Token
     from safetensors.torch import save_file
 
     from ..quantize import quantized_entries
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise BriskError(f"{folder}: cannot create the output folder ({e.strerror})") from None
     tensors = {}
     for name in canonical_names(args):
         parts = None if name in state_dict else quantized_entries(state_dict, name)
@@ -34,12 +37,15 @@ def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Token
             tensors[name] = state_dict[name].contiguous()
         else:
             tensors.update({f"{name}_{s}": t.contiguous() for s, t in parts.items()})
-    save_file(tensors, os.path.join(folder, "model.safetensors"))
-    info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
-            "quantization": quantization,
-            "tokenizer": tokenizer.save(folder) if tokenizer else None}
-    with open(os.path.join(folder, "brisk.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=1)
+    try:
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
+                "quantization": quantization,
+                "tokenizer": tokenizer.save(folder) if tokenizer else None}
+        with open(os.path.join(folder, "brisk.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+    except OSError as e:  # a full disk, a read-only folder
+        raise BriskError(f"{folder}: cannot write the checkpoint ({e.strerror or e})") from None
 
 
 def load_native(folder: str, device, dtype, progress=None) -> Checkpoint:
