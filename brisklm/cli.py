@@ -37,7 +37,7 @@ def _model_flags(p: argparse.ArgumentParser):
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
-    p.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
+    p.add_argument("--max_new_tokens", type=_positive_int, default=max_new_tokens)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
@@ -208,6 +208,7 @@ def cmd_generate(args):
 
 def cmd_chat(args):
     llm = _load(args)
+    llm._tok()  # no tokenizer (a preset): say so now, not after the first message
     messages = [{"role": "system", "content": args.system}] if args.system else []
     start = list(messages)
     print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)

@@ -500,6 +500,11 @@ def test_cli_quantize_to_an_unwritable_folder_prints_one_error_line(tmp_path):
     assert_cli_error(result, "/proc/no-such-folder/out", "cannot create")
 
 
+def test_cli_chat_without_a_tokenizer_is_refused_before_the_first_message(tmp_path):
+    result = run_cli(tmp_path, "chat", "--preset", "smollm2-135m", "--device", "cpu")
+    assert_cli_error(result, "smollm2-135m", "no tokenizer")
+
+
 def test_cli_unknown_dtype_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "generate", "--dtype", "int3", "--preset", "smollm2-135m")
     assert_cli_error(result, "int3")
