@@ -35,8 +35,14 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
     a warm start. It is experimental in torch: an entry that does not load
     back leaves a marker and a plain compile."""
     broken = path + ".broken"
-    if os.path.exists(broken):
+
+    def plain():  # the fallback, and what every failure leaves a marker for
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(broken, "w").close()
         return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
+
+    if os.path.exists(broken):
+        return plain()
     loaded = os.path.exists(path)
     try:
         # A loaded entry is rebuilt inside torch.compile() from the global
@@ -49,9 +55,7 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
                     torch.compiler.load_cache_artifacts(f.read())
             compiled = torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
     except Exception:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        open(broken, "w").close()
-        return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
+        return plain()
     state = {"step": compiled, "first": True}
 
     def step(*args, **kwargs):
@@ -66,9 +70,7 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
                 out = compiled(*args, **kwargs)
                 artifacts = None if loaded else torch.compiler.save_cache_artifacts()
         except Exception:  # not saved: the step compiled as usual
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            open(broken, "w").close()
-            state["step"] = torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
+            state["step"] = plain()
             return state["step"](*args, **kwargs)
         finally:
             guards_log.setLevel(level)

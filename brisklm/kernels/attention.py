@@ -25,11 +25,10 @@ The same launchers run under TRITON_INTERPRET=1 on CPU tensors (the tests).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from .gemv import _await_inputs, _direct, _shapes_only, available, early_launch, triton
+from .gemv import _await_inputs, _direct, _shapes_only, available, early_launch, interpreted, triton
 
 if triton is not None:
     import triton.language as tl
@@ -192,7 +191,7 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
     partial = out if splits == 1 else torch.empty((splits, n_heads, d), device=qkv.device, dtype=torch.float32)
     lse = torch.empty((splits, n_heads), device=qkv.device, dtype=torch.float32)
     max_blocks = triton.cdiv(triton.cdiv(max_len, block), splits)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreted()
     pdl = early_launch(qkv.device)
     launch(_split_kernel)[(n_kv, splits)](
         qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads,

@@ -45,11 +45,16 @@ except ImportError:  # CPU-only installs: the modules fall back to torch ops
     triton = None
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: CPU tensors, no PTX)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available(device: torch.device) -> bool:
     """Whether the Triton GEMVs can run for tensors on `device`."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or interpreted()
 
 
 # Block sizes (BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per weight element size in
@@ -97,7 +102,7 @@ def early_launch(device: torch.device) -> bool:
     (programmatic dependent launch: Hopper and later; not under the interpreter;
     BRISKLM_PDL=0 turns it off, for profiles whose kernel times must not
     include the wait for the kernel before)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return (device.type == "cuda" and not interpreted()
             and os.environ.get("BRISKLM_PDL") != "0" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
@@ -435,7 +440,7 @@ def _launch_int8_dp4a(x, w, cfg, launch):
     pdl = early_launch(w.device)
     launch(_int8_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
         x, w.view(torch.int32), out, n, k, k // split_k, XB=dp4a_block(k), BLOCK_N=block_n,
-        BLOCK_K=block_k, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl, num_warps=warps,
+        BLOCK_K=block_k, INTERPRET=interpreted(), PDL=pdl, num_warps=warps,
         launch_pdl=pdl)
     return out
 
@@ -448,7 +453,7 @@ def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch):
     launch(_int4_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
         x, codes.view(torch.int32), scale, zero, out, n, k, k // split_k,
         GROUP=k // scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        INTERPRET=interpreted(), PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -508,15 +513,17 @@ if triton is not None:
                              "(Tensor x, Tensor codes, Tensor scale, Tensor zero, int[] cfg) -> Tensor")
 
 
+def _run(op, launcher, *args):
+    """The custom op on CUDA tensors; elsewhere (the interpreter) the same launch, directly."""
+    return op(*args) if args[0].is_cuda else launcher(*args, _direct)
+
+
 def scaled_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(SPLIT_K, N) fp32 partial sums of w @ x for a (K,) vector x: through
-    the custom ops on CUDA, launched directly otherwise (the interpreter)."""
+    """(SPLIT_K, N) fp32 partial sums of w @ x for a (K,) vector x."""
     x = x.contiguous()
     if uses_dp4a(x, w):
-        cfg = list(int8_dp4a_config(w))
-        return _int8_dp4a_op(x, w, cfg) if x.is_cuda else _launch_int8_dp4a(x, w, cfg, _direct)
-    cfg = list(scaled_config(w))
-    return _scaled_gemv_op(x, w, cfg) if x.is_cuda else _launch_scaled(x, w, cfg, _direct)
+        return _run(_int8_dp4a_op, _launch_int8_dp4a, x, w, list(int8_dp4a_config(w)))
+    return _run(_scaled_gemv_op, _launch_scaled, x, w, list(scaled_config(w)))
 
 
 def grouped_gemv(x, codes, scale, zero) -> torch.Tensor:
@@ -524,14 +531,8 @@ def grouped_gemv(x, codes, scale, zero) -> torch.Tensor:
     x = x.contiguous()
     group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
     if uses_dp4a(x, codes, group):
-        cfg = list(int4_dp4a_config(codes, scale))
-        if x.is_cuda:
-            return _int4_dp4a_op(x, codes, scale, zero, cfg)
-        return _launch_int4_dp4a(x, codes, scale, zero, cfg, _direct)
-    cfg = list(grouped_config(codes, scale))
-    if x.is_cuda:
-        return _grouped_gemv_op(x, codes, scale, zero, cfg)
-    return _launch_grouped(x, codes, scale, zero, cfg, _direct)
+        return _run(_int4_dp4a_op, _launch_int4_dp4a, x, codes, scale, zero, list(int4_dp4a_config(codes, scale)))
+    return _run(_grouped_gemv_op, _launch_grouped, x, codes, scale, zero, list(grouped_config(codes, scale)))
 
 
 def int4_gemv(x, packed, scale, zero):
