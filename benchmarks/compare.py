@@ -14,6 +14,10 @@ of the machine shows. Then each variant decodes 32 tokens greedily with
 `brisk generate` (same seeded random weights, the first configuration):
 variants that change no arithmetic must give the same token ids. Prints a
 table per configuration last. Carry .variants to the device.
+
+Each figure is also appended to $OUT/0-summary.md as it is measured (the
+logs stay in a temporary folder; the device returns only a few files), so a
+run cut short by the time limit keeps what it measured.
 """
 from __future__ import annotations
 
@@ -113,7 +117,14 @@ def run(configs: list[list[str]], only: str | None = None, sweep: str | None = N
         names = [n for n in only.split(",") if n in names]  # in the order given: the first is the reference
     if not names:
         sys.exit("no variants: run `compare.py prepare REV ...` first and carry .variants")
-    out = os.environ.get("OUT", "/tmp")
+    out = tempfile.mkdtemp(prefix="compare-logs-")
+    summary = os.path.join(os.environ.get("OUT", out), "0-summary.md")
+
+    def note(line: str):
+        print(line, flush=True)
+        with open(summary, "a") as f:
+            f.write(line + "\n")
+
     t0 = time.time()
     if sweep:  # each variant's GEMV blocks tuned on this machine first, written into its table
         for n in names:
@@ -121,12 +132,12 @@ def run(configs: list[list[str]], only: str | None = None, sweep: str | None = N
             done = subprocess.run(cmd, capture_output=True, text=True, **in_variant(n))
             with open(os.path.join(out, f"{n}.sweep.log"), "w") as f:
                 f.write(done.stdout + done.stderr)
-            print(f"{n}: swept {sweep}" + ("" if done.returncode == 0 else " (failed, see its log)"), flush=True)
+            note(f"{n}: swept {sweep}" + ("" if done.returncode == 0 else " (failed: " + done.stderr[-300:] + ")"))
     warm = [bench(n, extra, os.path.join(out, f"{n}.c{c}.compile.log"))
             for c, extra in enumerate(configs) for n in names]
     for p in warm:
         p.wait()
-    print(f"compiled all in {time.time() - t0:.0f} s", flush=True)
+    note(f"compiled all in {time.time() - t0:.0f} s")
     tables = []
     for c, extra in enumerate(configs):
         rates = {n: [] for n in names}
@@ -135,7 +146,7 @@ def run(configs: list[list[str]], only: str | None = None, sweep: str | None = N
                 log = os.path.join(out, f"{n}.c{c}.{len(rates[n])}.log")
                 bench(n, extra, log).wait()
                 rates[n].append(decode_rate(log))
-                print(f"{n} {shlex.join(extra)}: {rates[n][-1]}", flush=True)
+                note(f"{n} {shlex.join(extra)}: {rates[n][-1]}")
         ids = {n: token_ids(n, extra) for n in names} if c == 0 else {}  # the first configuration's only
         lines = [f"\nbrisk bench {shlex.join(BENCH[3:] + extra)}",
                  "| variant | decode tok/s, first pass | second pass | greedy token ids (32) |",
@@ -145,7 +156,7 @@ def run(configs: list[list[str]], only: str | None = None, sweep: str | None = N
             ok = not got.startswith(("failed", "(")) and n != names[0] and got == ids[names[0]]
             lines.append(f"| {n} | {' | '.join(rates[n])} | {'same as ' + names[0] if ok else got[:60]} |")
         tables.append("\n".join(lines))
-    print(f"\n{time.time() - t0:.0f} s in all" + "".join(tables))
+    note(f"\n{time.time() - t0:.0f} s in all" + "".join(tables))
 
 
 def main():

@@ -208,7 +208,7 @@ def write_table(table):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
-    ap.add_argument("--kinds", default="bf16,int8,fp8,int4-g128,int4-g64")
+    ap.add_argument("--kinds", default="bf16,int8,fp8,int4-g128,int4-g64", help="kinds to time ('' for none)")
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     ap.add_argument("--retime", action="store_true", help="time only the configs already in the table")
     ap.add_argument("--check", default="bf16,int8,fp8,int8-g32,int4-g32,int4-g64,int4-g128,int4-g256",
@@ -221,7 +221,7 @@ def main():
     ceiling = read_ceiling_gbs()
     shapes = model_shapes(preset("llama-3.1-8b"))
     table, rows = {}, []
-    for kind in opts.kinds.split(","):
+    for kind in [k for k in opts.kinds.split(",") if k]:
         bits = width_key(kind)
         for name, (n, k) in shapes.items():
             # fp8 runs at int8's best blocks (same bytes; only the widening differs)
