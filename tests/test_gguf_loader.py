@@ -147,8 +147,9 @@ def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf
 def test_q8_0_matrices_are_kept_as_grouped_int8_where_our_gemv_runs(tmp_path, hf_model, monkeypatch):
     """Where the Triton GEMV runs (CUDA), Q8_0 matrices stay int8 with their
     fp16 scale per 32 inputs: exactly the values the gguf library decodes, q/k
-    rows un-permuted like the dense ones. (On CPUs they are dequantized; the
-    kernel itself is checked in test_kernels.py.)"""
+    rows un-permuted like the dense ones. (On CPUs only the output layer is
+    kept; the kernel itself is checked in test_kernels.py. The model below runs
+    on the CPU: its int8 matrices group by group through aten's int8 matmul.)"""
     from brisklm.kernels import gemv
     from brisklm.quantize import GroupedInt8Linear, dequantize, quantized_entries
     model, tied = hf_model

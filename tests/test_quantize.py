@@ -82,10 +82,15 @@ def test_gguf_q4_blocks_are_kept_exactly(smollm2_gguf):
 
 def test_gguf_native_logits_equal_the_dequantized_model(smollm2_gguf):
     """Bound: with fp32 scales and zeros the int4 kernel differs from a dense matmul
-    over the same dequantized weights only in summation order: <= 1e-5 relative."""
+    over the same dequantized weights only in summation order: <= 1e-5 relative.
+    The tied Q8_0 embedding stays int8 too, read by the embedding and, group by
+    group, by the output layer."""
+    from brisklm.quantize import GroupedInt8Linear, Int8Embedding
     dense = load(smollm2_gguf, dtype=torch.float32)
     kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks=True)
     a, b = build_model(dense.args, dense.state_dict), build_model(kept.args, kept.state_dict)
+    assert isinstance(b.output, GroupedInt8Linear) and isinstance(b.tok_embeddings, Int8Embedding)
+    assert not kept.args.tie_word_embeddings
     ids = torch.tensor([dense.tokenizer.encode("def fibonacci(n):\n    return n if n < 2 else")])
     for m in (a, b):
         m.setup_caches(1, 64)

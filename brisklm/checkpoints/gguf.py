@@ -12,6 +12,8 @@ source alike.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -158,8 +160,10 @@ def load_tokenizer(meta: dict, path: str) -> Tokenizer:
 
 def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Checkpoint:
     """keep_blocks: Q4_0/Q4_1 matrices become int4 entries, and Q8_0 ones grouped
-    int8 entries where our Triton GEMV can run them (on CPUs they are dequantized:
-    a per-token dequantization would be slower than the dense matrix)."""
+    int8 entries where our Triton GEMV can run them. On CPUs only a Q8_0 output
+    layer is kept (also when it is the tied embedding): aten's int8 matmul, once
+    per group of 32 inputs, beat its dense bf16 copy there, but not at the
+    layers' sizes (quantize.GroupedInt8Linear); the other Q8_0 matrices are dequantized."""
     from gguf.quants import dequantize
     reader = open_reader(path)
     meta = metadata(reader)
@@ -206,11 +210,13 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Che
         qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
                     if ARCHITECTURES[arch]["permuted_qk"] else {})
         kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device,
-                                     keep_q8=gemv.available(torch.device(device)))
+                                     keep_q8="all" if gemv.available(torch.device(device)) else "output")
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
                                    progress, skip=kept)
     for name, parts in kept.items():
         state.update({f"{name}_{suffix}": t for suffix, t in parts.items()})
+    if args.tie_word_embeddings and "output.weight" in kept:  # the embedding reads the same codes
+        args = replace(args, tie_word_embeddings=False)
     return Checkpoint(args, state, load_tokenizer(meta, path), path)
 
 
@@ -244,20 +250,23 @@ def int8_from_blocks(tensor):
     return torch.from_numpy(codes), torch.from_numpy(d)
 
 
-def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=False) -> dict:
+def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=None) -> dict:
     """int4 entries for every Linear whose GGUF tensors are all Q4_0/Q4_1, and
-    with keep_q8 grouped int8 entries for those that are all Q8_0."""
+    grouped int8 entries for those that are all Q8_0 (keep_q8 "all"), or for the
+    output layer only ("output"). A tied output layer kept so brings the
+    embedding's entries too: the same codes, read by an int8 embedding."""
     from ..quantize import pack_int4, quantized_linear_names
     from . import hf_parts
     kept = {}
     for name in quantized_linear_names(args):
-        parts = hf_parts(name)
+        tied = name == "output.weight" and args.tie_word_embeddings
+        parts = ["model.embed_tokens.weight"] if tied else hf_parts(name)
         if not all(p in by_hf for p in parts):
             continue
         kinds = {tensors[by_hf[p]].tensor_type.name for p in parts}
-        if kinds <= set(Q4_BLOCK_BYTES):
+        if kinds <= set(Q4_BLOCK_BYTES) and not tied:
             read = int4_from_blocks
-        elif kinds == {"Q8_0"} and keep_q8:
+        elif kinds == {"Q8_0"} and (keep_q8 == "all" or (keep_q8 == "output" and name == "output.weight")):
             read = int8_from_blocks
         else:
             continue
@@ -273,4 +282,6 @@ def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=False)
             kept[name] = {"int4": pack_int4(joined[0]), "scale": joined[1], "zero": joined[2]}
         else:
             kept[name] = {"int8": joined[0], "scale": joined[1]}
+            if tied:
+                kept["tok_embeddings.weight"] = kept[name]
     return kept

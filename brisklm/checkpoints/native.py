@@ -30,13 +30,20 @@ def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Token
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise BriskError(f"{folder}: cannot create the output folder ({e.strerror})") from None
-    tensors = {}
+    tensors, seen = {}, set()
+
+    def own(t):  # safetensors stores no shared memory (a GGUF's tied Q8_0 embedding and output)
+        t = t.contiguous()
+        t = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
+        return t
+
     for name in canonical_names(args):
         parts = None if name in state_dict else quantized_entries(state_dict, name)
         if parts is None:
-            tensors[name] = state_dict[name].contiguous()
+            tensors[name] = own(state_dict[name])
         else:
-            tensors.update({f"{name}_{s}": t.contiguous() for s, t in parts.items()})
+            tensors.update({f"{name}_{s}": own(t) for s, t in parts.items()})
     try:
         save_file(tensors, os.path.join(folder, "model.safetensors"))
         info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
