@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from .errors import BriskError
+
 
 def _sync(device):
     if device.type == "cuda":
@@ -198,8 +200,8 @@ def _model_args(opts):
         from .presets import preset
         try:
             return preset(opts.preset)
-        except KeyError:
-            return None
+        except KeyError as e:  # before the ceilings are measured, not after
+            raise BriskError(e.args[0]) from None
     return None
 
 
@@ -207,6 +209,7 @@ def run(opts) -> dict:
     """Every figure for one model on one device; opts as parsed by the CLI."""
     from .api import load, log, usable_device
     device = torch.device(usable_device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    args = _model_args(opts)
     log(f"Measuring the ceilings of {device}...")
     group = f"-g{opts.groupsize}" if opts.quantize == "int4" else ""
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -220,7 +223,6 @@ def run(opts) -> dict:
     gpu = device.type == "cuda"
     prefill = opts.prefill if opts.prefill is not None else ([1024, 8192] if gpu else [128])
     context = opts.context if opts.context is not None else ([8192, 32768] if gpu else [1024])
-    args = _model_args(opts)
     if args is not None:  # lengths past the model's trained context are not its figures
         limit = args.max_position_embeddings - opts.new_tokens - 8
         skipped = [n for n in prefill + context if n > limit]

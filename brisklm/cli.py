@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(e)
     e.add_argument("--perplexity", action="store_true", help="(the one evaluation so far)")
     e.add_argument("--text", default=None, help="a UTF-8 text file (default: pydoc_data.topics)")
-    e.add_argument("--max_tokens", type=int, default=8192)
-    e.add_argument("--window", type=int, default=512)
+    e.add_argument("--max_tokens", type=_positive_int, default=8192)
+    e.add_argument("--window", type=_positive_int, default=512)
     e.add_argument("--reference", action="store_true",
                    help="also run the unquantized model and report mean KL divergence against it")
 

@@ -486,7 +486,8 @@ def test_cli_unknown_compile_option_prints_one_error_line(tmp_path):
     assert_cli_error(result, "no_such_option")
 
 
-@pytest.mark.parametrize("command", [["generate", "--num_samples"], ["bench", "--samples"]])
+@pytest.mark.parametrize("command", [["generate", "--num_samples"], ["bench", "--samples"],
+                                     ["eval", "--perplexity", "--window"], ["eval", "--perplexity", "--max_tokens"]])
 def test_cli_zero_samples_is_refused(tmp_path, command):
     result = run_cli(tmp_path, *command, "0", "--preset", "smollm2-135m", "--device", "cpu")
     assert "Traceback" not in result.stderr and result.returncode == 2, result.stderr
@@ -503,6 +504,12 @@ def test_cli_quantize_to_an_unwritable_folder_prints_one_error_line(tmp_path):
 def test_cli_chat_without_a_tokenizer_is_refused_before_the_first_message(tmp_path):
     result = run_cli(tmp_path, "chat", "--preset", "smollm2-135m", "--device", "cpu")
     assert_cli_error(result, "smollm2-135m", "no tokenizer")
+
+
+def test_cli_bench_unknown_preset_is_refused_before_measuring(tmp_path):
+    result = run_cli(tmp_path, "bench", "--preset", "no-such-model", "--device", "cpu")
+    assert_cli_error(result, "no-such-model")
+    assert "Measuring" not in result.stderr
 
 
 def test_cli_unknown_dtype_prints_one_error_line(tmp_path):
