@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU (Llama-3.1-8B preset, batch 1).
 
     PYTHONPATH=. python3 benchmarks/profile_decode.py [--quantize none int8 int4] [--skip_gemv] [--no_pdl]
+        [--compile_options '{"triton.multi_kernel": 2}']
 
 1. Per-GEMV bandwidth: F.linear of one token against each weight shape of the
    model, replayed in a CUDA graph over rotating weight copies (so L2 never
@@ -11,6 +12,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -33,13 +35,14 @@ def gemv_bandwidth(out_features, in_features, copies_bytes=1.2e9, reps=20):
     return w_bytes / seconds / 1e9, seconds * 1e6
 
 
-def step_trace(quantize, kv_int8=False, steps=20, pdl=True):
+def step_trace(quantize, kv_int8=False, steps=20, pdl=True, compile_options=None):
     """The compiled decode step (CUDA graphs on) under torch.profiler: each
     kernel of one step in launch order, with its time and the idle gap before it.
     With early launch (pdl) a kernel's time includes its wait for the one before."""
     from brisklm.api import load
     llm = load(preset="llama-3.1-8b", device="cuda", compile=True, max_seq_length=1024,
-               quantize=quantize, kv_int8=kv_int8, compile_options=None if pdl else {"triton.enable_pdl": False})
+               quantize=quantize, kv_int8=kv_int8,
+               compile_options={**(compile_options or {}), **({} if pdl else {"triton.enable_pdl": False})})
     gen = llm.generator
     list(gen.tokens([1, 2, 3, 4, 5], 50, SamplingParams()))  # compile and warm up
     list(gen.tokens([1, 2, 3, 4, 5], 100, SamplingParams()))
@@ -85,6 +88,8 @@ def main():
     parser.add_argument("--quantize", nargs="*", default=["none"])
     parser.add_argument("--kv_int8", action="store_true")
     parser.add_argument("--skip_gemv", action="store_true")
+    parser.add_argument("--compile_options", type=json.loads, default=None,
+                        help="inductor options for the decode step, as JSON (e.g. to try other reductions)")
     parser.add_argument("--no_pdl", action="store_true",
                         help="no early launch (ours or inductor's): each kernel's own time, no overlap")
     opts = parser.parse_args()
@@ -101,7 +106,7 @@ def main():
         print(f"| {name} {n}x{k} | {n * k * 2 / 1e6:.0f} | {us:.1f} | {gbs:.0f} |", flush=True)
     for quantize in opts.quantize:
         print(f"\n## {quantize}")
-        print_trace(*step_trace(quantize, opts.kv_int8, pdl=not opts.no_pdl))
+        print_trace(*step_trace(quantize, opts.kv_int8, pdl=not opts.no_pdl, compile_options=opts.compile_options))
 
 
 if __name__ == "__main__":
