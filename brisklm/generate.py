@@ -54,12 +54,13 @@ def weight_bytes_per_token(model: Transformer) -> int:
             total += p[0].numel() * p.element_size()
         else:
             total += p.numel() * p.element_size()
-    for name, b in model.named_buffers():  # quantized weights live in buffers
-        if name.startswith("tok_embeddings."):  # one row
-            total += b[0].numel() * b.element_size()
-        elif "kv_cache" not in name and not name.startswith("rope_"):
-            total += b.numel() * b.element_size()
-    return total
+    read = {}  # quantized weights live in buffers; a GGUF's tied Q8_0 codes serve the embedding and the output
+    for name, b in model.named_buffers(remove_duplicate=False):
+        if "kv_cache" in name or name.startswith("rope_"):
+            continue
+        rows = b[0] if name.startswith("tok_embeddings.") else b  # the embedding: one row
+        read[id(b)] = max(read.get(id(b), 0), rows.numel() * b.element_size())
+    return total + sum(read.values())
 
 
 @dataclass

@@ -168,6 +168,24 @@ def test_gptq_beats_rtn_at_the_same_group_size(smollm2_gguf):
     assert gstate.keys() == rstate.keys()  # the same int4 format, loadable alike
 
 
+def test_tied_q8_0_codes_count_whole_for_the_output_layer(smollm2_gguf, monkeypatch):
+    """Where the Triton GEMV runs, the tied Q8_0 embedding and the output layer
+    share their codes: a decode step reads them whole (the output), not one row."""
+    from brisklm.generate import weight_bytes_per_token
+    from brisklm.kernels import gemv
+    monkeypatch.setattr(gemv, "available", lambda device: True)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks=True)
+    model = build_model(kept.args, kept.state_dict)
+    q = kept.state_dict["output.weight_int8"]
+    assert q is kept.state_dict["tok_embeddings.weight_int8"] and model.output.weight is q
+    codes = q.numel() + kept.state_dict["output.weight_scale"].numel() * 2  # fp16 scales in the module
+    layers = sum(t.numel() * t.element_size() for n, t in model.named_buffers()
+                 if n.startswith("layers.") and "kv_cache" not in n)
+    norms = sum(p.numel() * p.element_size() for p in model.parameters())
+    row_scales = kept.state_dict["output.weight_scale"].shape[1] * 4  # the embedding reads one row of fp32 scales
+    assert weight_bytes_per_token(model) == layers + norms + codes + row_scales
+
+
 def test_embedding_is_int8_and_reproduces_q8_0_blocks(smollm2_gguf):
     """Quantized models keep the embedding as int8 with a scale per 32 values of
     a row: memory, not speed (a decode step reads one row). SmolLM2's embedding
