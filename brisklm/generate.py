@@ -44,23 +44,17 @@ def decode_one_token(model: Transformer, token, input_pos, params: SamplingParam
 
 
 def weight_bytes_per_token(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: every matrix once, one embedding row."""
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if name == "tok_embeddings.weight" and not model.args.tie_word_embeddings:
-            total += p[0].numel() * p.element_size()
-        else:
-            total += p.numel() * p.element_size()
-    read = {}  # quantized weights live in buffers; a GGUF's tied Q8_0 codes serve the embedding and the output
-    for name, b in model.named_buffers(remove_duplicate=False):
+    """Bytes of weights one decode step reads: every matrix once, one embedding
+    row. A tensor the embedding shares with the output layer (tied weights, or
+    a GGUF's tied Q8_0 codes) is read whole, by the output layer."""
+    read = {}  # quantized weights live in buffers, dense ones in parameters
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, t in named:
         if "kv_cache" in name or name.startswith("rope_"):
             continue
-        rows = b[0] if name.startswith("tok_embeddings.") else b  # the embedding: one row
-        read[id(b)] = max(read.get(id(b), 0), rows.numel() * b.element_size())
-    return total + sum(read.values())
+        rows = t[0] if name.startswith("tok_embeddings.") else t
+        read[id(t)] = max(read.get(id(t), 0), rows.numel() * t.element_size())
+    return sum(read.values())
 
 
 @dataclass

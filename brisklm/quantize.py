@@ -232,11 +232,11 @@ class GroupedInt8Linear(nn.Module):
 
     def group_by_group(self, x):
         """x (M, K) times the weights, summed over the groups in fp32."""
-        g = self.groups.shape[2]
+        n_groups, _, g = self.groups.shape
+        xs = x.to(self.group_scales.dtype).view(-1, n_groups, g).transpose(0, 1).contiguous()  # one copy
         y = 0
-        for i in range(self.groups.shape[0]):
-            xi = x[:, i * g:(i + 1) * g].contiguous().to(self.group_scales.dtype)
-            y = y + torch.ops.aten._weight_int8pack_mm(xi, self.groups[i], self.group_scales[i]).float()
+        for i in range(n_groups):
+            y = y + torch.ops.aten._weight_int8pack_mm(xs[i], self.groups[i], self.group_scales[i]).float()
         return y
 
 
