@@ -25,28 +25,28 @@ from .precompile import artifacts_path, precompiled
 from .sampling import SamplingParams, sample
 
 
-class _OnePassNorms:
-    """Inductor's choices, except that reductions over up to 8192 values are
-    "persistent" (one pass, the row held in registers) rather than looped
-    (two passes over memory; inductor's default above 1024 values). The
-    decode step's residual + RMSNorm kernels reduce 4096 values in a single
-    program, where a second pass is a second memory latency."""
+class OnePassReductions:
+    """Inductor's choices, except that a reduction over up to 8192 values is
+    compiled "persistent" (one pass, the values held in registers) instead of
+    looped (two passes over memory, inductor's choice above 1024 values).
+    Each decode layer ends two reductions of 4096 values, residual + RMSNorm,
+    run by one program each: int8 decode on an H200 went from 393 to 401
+    tokens/s. (A class, not a function: its repr keys the on-disk cache.)"""
 
     def __new__(cls):
         from torch._inductor.choices import InductorChoices
+        from torch._inductor.virtualized import V
 
-        class OnePassNorms(InductorChoices):
+        class Choices(InductorChoices):
             @staticmethod
             def should_use_persistent_reduction(features, cooperative_reduction) -> bool:
-                from torch._inductor.virtualized import V
-                if V.graph.sizevars.statically_known_leq(features.reduction_numel, 8192):
-                    return True
-                return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+                return (V.graph.sizevars.statically_known_leq(features.reduction_numel, 8192)
+                        or InductorChoices.should_use_persistent_reduction(features, cooperative_reduction))
 
-            def uuid(self):
-                return "brisklm-one-pass-norms-1"
+            def uuid(self):  # for the compiler's cache key
+                return "brisklm-one-pass-reductions-8192"
 
-        return OnePassNorms()
+        return Choices()
 
 
 def prefill(model: Transformer, idx, input_pos, params: SamplingParams, kv_len=None):
@@ -122,9 +122,8 @@ class Generator:
             # while their predecessor finishes (programmatic dependent launch,
             # Hopper and later: +2.5% bf16, +3.6% int8 decode on an H200).
             cuda = self.device.type == "cuda"
-            options = {"triton.cudagraphs": cuda, "triton.enable_pdl": cuda, **(compile_options or {})}
-            if cuda:
-                options["inductor_choices_class"] = _OnePassNorms
+            options = {"triton.cudagraphs": cuda, "triton.enable_pdl": cuda,
+                       "inductor_choices_class": OnePassReductions, **(compile_options or {})}
             if self.block_mask is None:  # (flex attention's guards do not load back: no precompile with it)
                 self._decode = precompiled(decode_one_token, options, artifacts_path(model, options))
             else:
