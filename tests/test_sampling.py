@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from brisklm.sampling import SamplingParams, logits_to_probs, sample
+from brisklm.sampling import SamplingParams, argmax, logits_to_probs, sample
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
 
@@ -11,6 +11,20 @@ def test_greedy_is_argmax():
     logits = torch.randn(4, 50)
     assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
     assert torch.equal(sample(logits, SamplingParams(temperature=1.0, top_k=1)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [50, 1024, 1025, 49152, 128256])
+def test_chunked_argmax_equals_argmax_ties_included(vocab):
+    """Two stages (chunk maxima, then the best chunk), the same index as one argmax, eager
+    and compiled: the first of equal maxima, also across chunks and in bf16."""
+    compiled = torch.compile(argmax, fullgraph=True, dynamic=False)
+    for x in (torch.randn(3, vocab), torch.randn(2, vocab).bfloat16()):
+        ties = torch.zeros_like(x)
+        ties[:, [vocab // 3, vocab // 2, vocab - 1]] = 1.0
+        for t in (x, ties, torch.zeros_like(x)):
+            assert torch.equal(argmax(t), t.argmax(-1))
+            if vocab in (1025, 128256):
+                assert torch.equal(compiled(t), t.argmax(-1))
 
 
 def test_temperature_one_keeps_the_distribution():
