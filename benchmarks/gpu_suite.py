@@ -18,6 +18,7 @@ import tempfile
 BASE = ["--preset", "llama-3.1-8b", "--device", "cuda", "--compile", "--samples", "3", "--prefill", ""]
 VARIANTS = {
     "bf16": ["--context", "32768", "--peer", "hf"],
+    "bf16-short": ["--context", ""],  # the quantized variants' settings: 5-token prompt, cache of 213
     "int8": ["--quantize", "int8", "--context", ""],
     "fp8": ["--quantize", "fp8", "--context", ""],
     "int4": ["--quantize", "int4", "--groupsize", "128", "--context", ""],
