@@ -117,7 +117,8 @@ class LLM:
     def stats(self):
         return self.generator.stats
 
-    def _tok(self) -> Tokenizer:
+    def require_tokenizer(self) -> Tokenizer:
+        """The tokenizer; a BriskError if the model has none (a preset with random weights)."""
         if self.tokenizer is None:
             raise BriskError(f"{self.name}: no tokenizer (give a checkpoint with tokenizer files)")
         return self.tokenizer
@@ -141,18 +142,19 @@ class LLM:
 
         Stops at the tokenizer's end tokens and before any of the stop strings;
         the end token and the stop string are not part of the text."""
-        return self.stream_ids_as_text(self._tok().encode(prompt), max_new_tokens, stop, **sampling)
+        ids = self.require_tokenizer().encode(prompt)
+        return self.stream_ids_as_text(ids, max_new_tokens, stop, **sampling)
 
     def stream_ids_as_text(self, ids, max_new_tokens, stop=None, **sampling) -> Iterator[str]:
         tokens = self.stream_ids(ids, max_new_tokens, **sampling)
-        return _text_pieces(self._tok(), tokens, stop)
+        return _text_pieces(self.require_tokenizer(), tokens, stop)
 
     def generate(self, prompt: str, max_new_tokens: int = 256, **kwargs) -> str:
         """The continuation of prompt (not including the prompt)."""
         return "".join(self.stream(prompt, max_new_tokens, **kwargs))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt=True) -> str:
-        tok = self._tok()
+        tok = self.require_tokenizer()
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
         try:
@@ -164,7 +166,7 @@ class LLM:
     def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
         prompt = self.apply_chat_template(messages)
         # The template already writes any BOS it wants.
-        ids = self._tok().encode(prompt, add_bos=False)
+        ids = self.require_tokenizer().encode(prompt, add_bos=False)
         return self.stream_ids_as_text(ids, max_new_tokens, kwargs.pop("stop", None), **kwargs)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> str:

@@ -162,7 +162,7 @@ def cmd_generate(args):
                                      **_sampling(args))
         show = lambda piece: print(piece, end=" ", flush=True)  # noqa: E731
     else:
-        tok = llm._tok()
+        tok = llm.require_tokenizer()
         prompt = args.prompt
         if args.chat:
             prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
@@ -208,7 +208,7 @@ def cmd_generate(args):
 
 def cmd_chat(args):
     llm = _load(args)
-    llm._tok()  # no tokenizer (a preset): say so now, not after the first message
+    llm.require_tokenizer()  # none (a preset): say so now, not after the first message
     messages = [{"role": "system", "content": args.system}] if args.system else []
     start = list(messages)
     print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
@@ -289,7 +289,7 @@ def cmd_eval(args):
             raise BriskError(f"{args.text}: cannot read text ({e})") from None
     else:
         text = default_text()
-    ids = torch.tensor(llm._tok().encode(text)[:args.max_tokens])
+    ids = torch.tensor(llm.require_tokenizer().encode(text)[:args.max_tokens])
     if ids.numel() < 2:
         raise BriskError("the text has fewer than 2 tokens")
     log(f"Scoring {ids.numel()} tokens in windows of {args.window}...")

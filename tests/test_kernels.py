@@ -124,8 +124,9 @@ CASES = [(8, 2, 64, 200, torch.float32, False), (9, 3, 64, 300, torch.bfloat16, 
          (8, 2, 128, 3000, torch.bfloat16, False), (8, 2, 128, 700, torch.bfloat16, True),
          (4, 4, 32, 100, torch.float32, True)]
 assert {num_splits(c[3]) for c in CASES} == {1, 2, 4, 16}
-CASES = [c + (None,) for c in CASES] + [(8, 2, 128, 3000, torch.bfloat16, False, 100),  # sliding windows
-                                        (4, 4, 32, 300, torch.float32, True, 1), (9, 3, 64, 300, torch.float32, False, 70)]
+WINDOWS = [(8, 2, 128, 3000, torch.bfloat16, False, 100), (4, 4, 32, 300, torch.float32, True, 1),
+           (9, 3, 64, 300, torch.float32, False, 70)]  # sliding windows
+CASES = [c + (None,) for c in CASES] + WINDOWS
 for h, hkv, d, S, dtype, int8, window in CASES:
     cache = KVCache(1, hkv, S, d, dtype, "cpu", int8)
     cache.write(torch.arange(S), torch.randn(1, hkv, S, d).to(dtype), torch.randn(1, hkv, S, d).to(dtype))
@@ -154,8 +155,8 @@ for h, hkv, d, S, dtype, int8, window in CASES:
                 assert ((a - b).abs() <= b.abs() * 2 ** -6).all(), (name, pos)
         # attention over what the kernel stored (checked against the model's write above)
         lo = max(0, pos + 1 - window) if window else 0
-        ks, vs = ((getattr(cache, n)[:, :, lo:pos + 1].double() * (getattr(cache, n + "_scale")[:, :, lo:pos + 1].double()
-                   if int8 else 1)) for n in ("k", "v"))
+        ks, vs = ((getattr(cache, n)[:, :, lo:pos + 1].double()
+                   * (getattr(cache, n + "_scale")[:, :, lo:pos + 1].double() if int8 else 1)) for n in ("k", "v"))
         kk, vv = (t[0].repeat_interleave(h // hkv, 0) for t in (ks, vs))
         expect = torch.softmax(q.double()[0] @ kk.transpose(1, 2) / math.sqrt(d), -1) @ vv  # (H, 1, D)
         err = ((y.double().view(h, 1, d) - expect).norm() / expect.norm()).item()
