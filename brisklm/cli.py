@@ -208,7 +208,7 @@ def cmd_generate(args):
 
 def cmd_chat(args):
     llm = _load(args)
-    llm.require_tokenizer()  # none (a preset): say so now, not after the first message
+    llm.require_tokenizer()  # no tokenizer (a preset): say so now, not after the first message
     messages = [{"role": "system", "content": args.system}] if args.system else []
     start = list(messages)
     print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
