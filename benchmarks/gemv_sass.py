@@ -29,7 +29,10 @@ CASES = {
     "int8": (gemv._int8_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512}),
     "int8-g32": (gemv._grouped_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512, "BITS": 8, "GROUP": 32}),
     "int4": (gemv._grouped_gemv_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "BITS": 4, "GROUP": 128}),
-    "int8-dp4a": (gemv._int8_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "XB": 256, "INTERPRET": False}),
+    "int8-dp4a": (gemv._int8_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "XB": 256, "GROUPED": False,
+                                                        "INTERPRET": False}),
+    "int8-g32-dp4a": (gemv._int8_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "XB": 32, "GROUPED": True,
+                                                            "INTERPRET": False}),
     "int4-dp4a": (gemv._int4_dp4a_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False}),
 }
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*fp32",

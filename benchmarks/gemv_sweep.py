@@ -78,8 +78,8 @@ def make(kind: str, w: torch.Tensor):
 
 def width_key(kind: str):
     """The key gemv.config files a kind under: bits per weight, "8g" for grouped
-    int8, "8d" and "4d" for int8 and int4 (bf16 activations: the dp4a kernels)."""
-    return {"bf16": 16, "int8": "8d", "fp8": 8, "int8-g32": "8g"}.get(kind, "4d")
+    int8, "8d", "8gd" and "4d" for int8, Q8_0 and int4 (bf16 activations: the dp4a kernels)."""
+    return {"bf16": 16, "int8": "8d", "fp8": 8, "int8-g32": "8gd"}.get(kind, "4d")
 
 
 def check_correctness(kinds) -> list[str]:
@@ -142,6 +142,7 @@ CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_K in codes
     # (sm_90 SASS: 2.95 instructions a code at (16, 1024, 4), 2.59 for int4 at (32, 1024, 4))
     "8d": [(16, 1024, 4), (8, 1024, 4), (32, 1024, 8), (16, 2048, 8), (8, 2048, 4), (32, 512, 4), (64, 512, 8),
            (4, 4096, 4), (8, 512, 4), (16, 512, 4), (64, 256, 8), (32, 256, 4)],
+    "8gd": [(16, 1024, 4), (8, 1024, 4), (32, 1024, 8), (16, 2048, 8), (32, 512, 4), (64, 512, 8), (16, 512, 4)],
     "4d": [(32, 1024, 4), (16, 1024, 4), (64, 1024, 8), (32, 2048, 8), (16, 2048, 4), (64, 512, 4), (128, 512, 8),
            (8, 4096, 4), (64, 512, 8), (128, 256, 8), (64, 256, 4), (32, 512, 4)],
 }
@@ -161,7 +162,7 @@ def sweep(kind: str, n: int, k: int, candidates=None, copies_bytes=6e8):
         candidates = [(bn, bk, sp, wp) for bn, bk, wp in CANDIDATES[bits] for sp in splits]
     for cfg in candidates:
         gemv._tuned = {f"{bits}:{n}:{k}": {"config": cfg}}
-        if gemv.config(bits, n, k, {"4d": 128, "8g": 32, "8d": gemv.dp4a_block(k)}.get(bits)) != cfg:
+        if gemv.config(bits, n, k, {"4d": 128, "8g": 32, "8gd": 32, "8d": gemv.dp4a_block(k)}.get(bits)) != cfg:
             continue  # adjusted to fit K: measured under its own entry
         try:
             us = time_us([lambda f=f: f(x) for f in fns])

@@ -56,9 +56,9 @@ for n, k in SHAPES:
             y = gemv.scaled_gemv(x, q).sum(0).double() * parts["scale"].double()
         err = ((y - ref).norm() / ref.norm()).item()
         worst = max(worst, err)
-        # int8 and int4 with a bf16 x go through dp4a, x as int8 planes within
-        # 1.6e-5 of each block's largest |x| (gemv._x_planes); the rest sums in fp32
-        assert err < (1e-4 if name == "int8" or name.startswith("int4") else 1e-5), (n, k, name, err)
+        # int8 (Q8_0 too) and int4 with a bf16 x go through dp4a, x as int8 planes
+        # within 1.6e-5 of each block's largest |x| (gemv._x_planes); the rest sums in fp32
+        assert err < (1e-4 if name.startswith(("int8", "int4")) else 1e-5), (n, k, name, err)
 print("worst relative error", worst)
 """
 
@@ -217,6 +217,8 @@ cases = [(gemv._scaled_gemv_op, (x, w16, list(gemv.scaled_config(w16)))),
          (gemv._grouped_gemv_op, (x, q4["int4"], scale, zero, list(gemv.grouped_config(q4["int4"], scale))))]
 cases.append((gemv._int8_dp4a_op, (x, w8, list(gemv.int8_dp4a_config(w8)))))
 cases.append((gemv._int4_dp4a_op, (x, q4["int4"], scale, zero, list(gemv.int4_dp4a_config(q4["int4"], scale)))))
+q8 = quantize_int8(w, 32)  # GGUF Q8_0: a scale per 32 inputs
+cases.append((gemv._int8_group_dp4a_op, (x, q8["int8"], q8["scale"].half(), list(gemv.config("8gd", 40, 64, 32)))))
 for int8 in (False, True):
     cache = KVCache(1, 2, 48, 32, torch.bfloat16, "cpu", int8)
     qkv = torch.randn((4 + 2 * 2) * 32).to(torch.bfloat16)
@@ -234,7 +236,7 @@ print("ops ok", len(cases))
 
 
 def test_custom_ops_fake_implementations_and_schemas():
-    assert "ops ok 7" in run_interpreted(OPS_CHILD)
+    assert "ops ok 8" in run_interpreted(OPS_CHILD)
 
 
 def test_gemv_blocks_are_a_constant_of_the_traced_graph():

@@ -20,8 +20,9 @@ its own.
                 shared by all rows, so the per-code work is a shift, one
                 bitwise op and one FMA (see _code_as_float).
 
-With a bf16 or fp16 x (every GPU model), int8 and int4 codes go through dp4a
-instead (_int8_dp4a_kernel, _int4_dp4a_kernel): each program turns its
+With a bf16 or fp16 x (every GPU model), int8 (a scale per row, or per group
+as GGUF Q8_0) and int4 codes go through dp4a instead (_int8_dp4a_kernel,
+_int4_dp4a_kernel): each program turns its
 slice of x into two int8 planes per block of inputs (_x_planes), and each
 instruction sums four exact integer products: about 2 instructions a code
 against 4.3-4.9 (sm_90 SASS, benchmarks/gemv_sass.py), for an error from x's
@@ -61,7 +62,8 @@ def available(device: torch.device) -> bool:
 # bits ("8g": int8 with a scale per group), where the measured table (gemv_tuned.json, written by
 # benchmarks/gemv_sweep.py for a device) has no entry. BLOCK_K counts codes.
 DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8), "8g": (32, 512, 1, 4),
-                  "8d": (16, 1024, 1, 4), "4d": (64, 512, 1, 4)}  # d: dp4a (half x); 4d: best for 3 of 5 8B shapes
+                  "8d": (16, 1024, 1, 4), "4d": (64, 512, 1, 4),  # d: dp4a (half x); 4d: best for 3 of 5 8B shapes
+                  "8gd": (16, 1024, 1, 4)}  # Q8_0 through dp4a: 8d's blocks, not yet swept
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "gemv_tuned.json")
 _tuned: dict | None = None
 
@@ -315,12 +317,14 @@ if triton is not None:
         return tl.sum(b << (8 * tl.arange(0, 4)), axis=-1)
 
     @triton.jit
-    def _int8_dp4a_kernel(x_ptr, w_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-                          PDL: tl.constexpr):
+    def _int8_dp4a_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr,
+                          INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
         # int8 codes, a scale per row (applied by the caller); x in blocks of XB
         # inputs, each with its own step: y = sum_blocks step / X_LO (sum over the block's words).
+        # GROUPED (GGUF Q8_0): a scale per group of XB inputs too (s_ptr, (N, K / XB)),
+        # applied here to each block's sum.
         BLOCKS: tl.constexpr = BLOCK_K // XB
         WPB: tl.constexpr = XB // 4
         pid_n = tl.program_id(0)
@@ -337,8 +341,12 @@ if triton is not None:
             hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
             x_hi = _as_words(tl.reshape(hi, (BLOCKS, WPB, 4)))
             x_lo = _as_words(tl.reshape(lo, (BLOCKS, WPB, 4)))
-            d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2)
-            acc += d.to(tl.float32) * (step * (1 / 254))[None, :]
+            d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2).to(tl.float32)
+            if GROUPED:
+                blocks = (k_start + i) // XB + tl.arange(0, BLOCKS)
+                d *= tl.load(s_ptr + rows[:, None] * (K // XB) + blocks[None, :], mask=row_ok[:, None],
+                             other=0).to(tl.float32)
+            acc += d * (step * (1 / 254))[None, :]
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
 
     @triton.jit
@@ -433,16 +441,21 @@ def dp4a_block(k: int) -> int | None:
     return next((b for b in (256, 128, 64, 32) if k % b == 0), None)
 
 
-def _launch_int8_dp4a(x, w, cfg, launch):
+def _launch_int8_dp4a(x, w, cfg, launch, scale=None):
+    """A scale per row (applied by the caller), or with `scale` (N, K / 32) per group of 32 inputs."""
     n, k = w.shape
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=w.device, dtype=torch.float32)
     pdl = early_launch(w.device)
     launch(_int8_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
-        x, w.view(torch.int32), out, n, k, k // split_k, XB=dp4a_block(k), BLOCK_N=block_n,
-        BLOCK_K=block_k, INTERPRET=interpreted(), PDL=pdl, num_warps=warps,
-        launch_pdl=pdl)
+        x, w.view(torch.int32), w if scale is None else scale, out, n, k, k // split_k,
+        XB=dp4a_block(k) if scale is None else k // scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUPED=scale is not None, INTERPRET=interpreted(), PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
+
+
+def _launch_int8_group_dp4a(x, w, scale, cfg, launch):
+    return _launch_int8_dp4a(x, w, cfg, launch, scale)
 
 
 def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch):
@@ -467,11 +480,11 @@ def int4_dp4a_config(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int
 
 
 def uses_dp4a(x: torch.Tensor, codes: torch.Tensor, group: int | None = None) -> bool:
-    """int8 (a scale per row) or int4 codes, a half-precision x: the dp4a kernels."""
+    """int8 (a scale per row or per group) or int4 codes, a half-precision x: the dp4a kernels."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False
     if codes.dtype == torch.int8:
-        return group is None and dp4a_block(codes.shape[1]) is not None
+        return group in (32, 64, 128, 256) if group else dp4a_block(codes.shape[1]) is not None
     return codes.dtype == torch.uint8 and group in (32, 64, 128, 256)
 
 
@@ -509,6 +522,8 @@ if triton is not None:
     _grouped_gemv_op = _gemv_op("grouped_gemv", _launch_grouped,
                                 "(Tensor x, Tensor codes, Tensor scale, Tensor zero, int[] cfg) -> Tensor")
     _int8_dp4a_op = _gemv_op("int8_dp4a_gemv", _launch_int8_dp4a, "(Tensor x, Tensor w, int[] cfg) -> Tensor")
+    _int8_group_dp4a_op = _gemv_op("int8_group_dp4a_gemv", _launch_int8_group_dp4a,
+                                   "(Tensor x, Tensor w, Tensor scale, int[] cfg) -> Tensor")
     _int4_dp4a_op = _gemv_op("int4_dp4a_gemv", _launch_int4_dp4a,
                              "(Tensor x, Tensor codes, Tensor scale, Tensor zero, int[] cfg) -> Tensor")
 
@@ -530,6 +545,9 @@ def grouped_gemv(x, codes, scale, zero) -> torch.Tensor:
     """(SPLIT_K, N) fp32 partial sums of groupwise int4 or int8 weights times a (K,) vector x."""
     x = x.contiguous()
     group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
+    if uses_dp4a(x, codes, group) and codes.dtype == torch.int8:
+        cfg = config("8gd", *codes.shape, group)
+        return _run(_int8_group_dp4a_op, _launch_int8_group_dp4a, x, codes, scale, list(cfg))
     if uses_dp4a(x, codes, group):
         return _run(_int4_dp4a_op, _launch_int4_dp4a, x, codes, scale, zero, list(int4_dp4a_config(codes, scale)))
     return _run(_grouped_gemv_op, _launch_grouped, x, codes, scale, zero, list(grouped_config(codes, scale)))
