@@ -63,7 +63,7 @@ def available(device: torch.device) -> bool:
 # benchmarks/gemv_sweep.py for a device) has no entry. BLOCK_K counts codes.
 DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8), "8g": (32, 512, 1, 4),
                   "8d": (16, 1024, 1, 4), "4d": (64, 512, 1, 4),  # d: dp4a (half x); 4d: best for 3 of 5 8B shapes
-                  "8gd": (16, 1024, 1, 4)}  # Q8_0 through dp4a: 8d's blocks, not yet swept
+                  "8gd": (16, 1024, 1, 4)}  # Q8_0 through dp4a (GGUF), as 8d
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "gemv_tuned.json")
 _tuned: dict | None = None
 
