@@ -58,7 +58,7 @@ def log(message: str, quiet: bool = False):
         print(message, file=sys.stderr, flush=True)
 
 
-QUANTIZE_MODES = ("auto", "none", "int8", "int4", "int4-gptq", "fp8", "gguf")
+QUANTIZE_MODES = ("auto", "none", "int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf")
 
 
 def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="model", quiet=True):
@@ -83,7 +83,7 @@ def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="mod
                 raise BriskError(f"{name}: int4-gptq needs a tokenizer for its calibration text")
             log(f"Quantizing to int4 with GPTQ (group {groupsize}), layer by layer...", quiet)
             return gptq_quantize_state_dict(args, state, calibration_ids(tokenizer), groupsize, progress)
-        if mode in ("int8", "int4", "fp8"):
+        if mode in ("int8", "q8_0", "int4", "fp8"):
             from .quantize import quantize_state_dict
             log(f"Quantizing to {mode}" + (f" (group {groupsize})" if mode == "int4" else "")
                 + "...", quiet)

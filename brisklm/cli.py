@@ -25,10 +25,11 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
     p.add_argument("--max_seq_length", type=int, default=None,
                    help="KV cache length (default: min(context, 4096); bench: its longest request)")
-    p.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "int4-gptq", "fp8", "gguf"],
+    p.add_argument("--quantize", choices=["auto", "none", "int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf"],
                    default="auto",
-                   help="weight-only quantization at load: int8, int4 (RTN); gguf keeps a GGUF file's "
-                        "Q4_0/Q4_1 blocks as int4; auto (default) = gguf where possible, else none")
+                   help="weight-only quantization at load: int8 (a scale per row), q8_0 (a scale per 32 "
+                        "inputs, as GGUF's Q8_0: closer to bf16, fast on GPUs), int4 (RTN); gguf keeps a GGUF "
+                        "file's Q4_0/Q4_1 blocks as int4; auto (default) = gguf where possible, else none")
     p.add_argument("--groupsize", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
     p.add_argument("--kv_int8", action="store_true",
                    help="KV cache in int8 with a scale per position and head: half the memory, some speed")
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="write a weight-only quantized native checkpoint")
     q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
-    q.add_argument("--mode", choices=["int8", "int4", "int4-gptq", "fp8", "gguf"], required=True)
+    q.add_argument("--mode", choices=["int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf"], required=True)
     q.add_argument("--groupsize", type=int, default=128)
     q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it")
     q.add_argument("--dtype", default="bfloat16", help="dtype of the tensors left dense")

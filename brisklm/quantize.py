@@ -1,4 +1,4 @@
-"""Weight-only quantization: int8 per channel, int4 per group, as a transformation.
+"""Weight-only quantization: int8 per channel or per group, int4 per group, fp8, as a transformation.
 
 The model code is unchanged: a quantized weight lives in the state dict under
 the Linear's name with a suffix, and `build_model` swaps in the module that
@@ -6,7 +6,8 @@ reads it. Nothing is ever dequantized into a full-precision copy; the matrix
 kernels read the small integers:
 
   int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale; or `W_scale`
-        (N, K/group): a scale per group of inputs (GGUF Q8_0, the embedding).
+        (N, K/group): a scale per group of inputs (GGUF Q8_0 and mode q8_0: groups of
+        32; the embedding).
   fp8   `W_fp8` (N, K) float8_e4m3fn and `W_scale` (N,): w = f * scale, the
         scale mapping each row's largest magnitude to e4m3's 448.
   int4  `W_int4` (N, K/2) uint8, two codes a byte (even k in the high nibble),
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from .kernels import gemv
 
-MODES = ("int8", "int4", "fp8")
+MODES = ("int8", "q8_0", "int4", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -140,7 +141,9 @@ def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128):
         # files keep it at 6-8): at 4 bits it alone raised SmolLM2's KL divergence 10x.
         if mode == "fp8":
             parts = quantize_fp8(w)
-        elif mode == "int8" or name == "output.weight":
+        elif mode == "q8_0" and w.shape[1] % 32 == 0:  # GGUF's Q8_0: a scale per 32 inputs
+            parts = quantize_int8(w, 32)
+        elif mode in ("int8", "q8_0") or name == "output.weight":
             parts = quantize_int8(w)
         else:
             parts = quantize_int4(w, groupsize, w.dtype)
@@ -203,8 +206,10 @@ class GroupedInt8Linear(nn.Module):
     of 32, fp16 scales) kept as they are. Where the Triton GEMV runs they are
     read as stored; elsewhere (CPUs) regrouped at load as (K/G, N, G), so that
     aten's int8 matmul, whose scales are per output row, runs once per group
-    (on 2 CPU cores: 2.3 ms against 3.3 ms for the dense bf16 matrix at
-    SmolLM2's 49152x576 output layer, but 3-7x slower at its layers' sizes)."""
+    for one token (on 2 CPU cores: 2.3 ms against 3.3 ms for the dense bf16
+    matrix at SmolLM2's 49152x576 output layer, but 3-7x slower at its layers'
+    sizes). Several tokens multiply the dequantized matrix: 0.2 s against 4 s
+    for 256 tokens at that output layer."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias=None, dtype=torch.float32):
         super().__init__()
@@ -220,15 +225,21 @@ class GroupedInt8Linear(nn.Module):
             self.register_buffer("scale", scale.to(torch.float16))  # Q8_0's own precision
 
     def forward(self, x):
-        if self.grouped:
-            y = self.group_by_group(x.reshape(-1, self.in_features)).to(x.dtype)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        elif x.numel() == self.in_features:
-            y = gemv.int8_group_gemv(x.reshape(-1), self.weight, self.scale).sum(0).to(x.dtype)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        else:
-            y = F.linear(x, dequantize_grouped(self.weight, self.scale, x.dtype))
+        if x.numel() == self.in_features:  # one token: the codes read as stored
+            if self.grouped:
+                y = self.group_by_group(x.reshape(1, -1))
+            else:
+                y = gemv.int8_group_gemv(x.reshape(-1), self.weight, self.scale).sum(0)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        else:  # several (prefill): aten's int8 matmul costs a GEMV a row, one dense matmul does not
+            y = F.linear(x, self.dequantized(x.dtype))
         return y if self.bias is None else y + self.bias
+
+    def dequantized(self, dtype) -> torch.Tensor:
+        if not self.grouped:
+            return dequantize_grouped(self.weight, self.scale, dtype)
+        w = self.groups.to(dtype) * self.group_scales.to(dtype)[..., None]  # (K/G, N, G)
+        return w.transpose(0, 1).reshape(self.out_features, self.in_features)
 
     def group_by_group(self, x):
         """x (M, K) times the weights, summed over the groups in fp32."""
