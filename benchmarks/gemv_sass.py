@@ -34,9 +34,11 @@ CASES = {
     "int8-g32-dp4a": (gemv._int8_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "XB": 32, "GROUPED": True,
                                                             "INTERPRET": False}),
     "int4-dp4a": (gemv._int4_dp4a_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False}),
+    "fp8": (gemv._scaled_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512, "EVEN_K": True}),
+    "fp8-half": (gemv._fp8_half_kernel, 64, 512, 4, {"BLOCK_K": 512, "INTERPRET": False}),
 }
-POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*fp32",
-}
+POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "w8_ptr": "*fp8e4nv", "s_ptr": "*bf16", "z_ptr": "*bf16",
+            "out_ptr": "*fp32"}
 
 
 def compile_sm90(kind: str):
@@ -47,8 +49,11 @@ def compile_sm90(kind: str):
         if name in const:
             sig[name] = "constexpr"
         elif name in POINTERS:
-            sig[name] = "*bf16" if (kind == "bf16" and name == "w_ptr") else (
-                "*fp16" if (name == "s_ptr" and kind.startswith("int8")) else POINTERS[name])
+            sig[name] = POINTERS[name]
+            if name == "w_ptr" and kind in ("bf16", "fp8"):
+                sig[name] = "*bf16" if kind == "bf16" else "*fp8e4nv"
+            elif name == "s_ptr" and kind.startswith("int8"):
+                sig[name] = "*fp16"
         else:
             sig[name] = "i32"  # N, K, one_bits
     # As Triton's launcher specializes them for torch tensors and these shapes:

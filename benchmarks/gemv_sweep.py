@@ -78,8 +78,15 @@ def make(kind: str, w: torch.Tensor):
 
 def width_key(kind: str):
     """The key gemv.config files a kind under: bits per weight, "8g" for grouped
-    int8, "8d", "8gd" and "4d" for int8, Q8_0 and int4 (bf16 activations: the dp4a kernels)."""
-    return {"bf16": 16, "int8": "8d", "fp8": 8, "int8-g32": "8gd"}.get(kind, "4d")
+    int8, "8d", "8gd" and "4d" for int8, Q8_0 and int4 (bf16 activations: the dp4a kernels),
+    "8f" for fp8 (the fp16x2 kernel)."""
+    return {"bf16": 16, "int8": "8d", "fp8": "8f", "int8-g32": "8gd"}.get(kind, "4d")
+
+
+# fp8 sums runs of 16 products in fp16 (gemv.FP8_HALF), each rounded to 2**-11
+# of the run's size: about 1e-3 of the output's norm at K = 4096, under the
+# 3.9e-3 that bf16 itself resolves and far under fp8's own rounding (2**-4).
+BOUND = {"fp8": 2e-3}
 
 
 def check_correctness(kinds) -> list[str]:
@@ -95,10 +102,10 @@ def check_correctness(kinds) -> list[str]:
             ref = ref_w @ x.double()
             err = ((fn(x).double() - ref).norm() / ref.norm()).item()
             worst[kind] = max(worst.get(kind, 0.0), err)
-            ok = err < 1e-4
+            ok = err < BOUND.get(kind, 1e-4)
             if not ok:
                 rows.append(f"FAIL {where} {n}x{k} {kind}: relative error {err:.2e}")
-    rows += [f"correctness {kind}: worst relative error {e:.2e} over all shapes (bound 1e-4)"
+    rows += [f"correctness {kind}: worst relative error {e:.2e} over all shapes (bound {BOUND.get(kind, 1e-4):g})"
              for kind, e in worst.items()]
     return rows
 
@@ -142,6 +149,10 @@ CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_K in codes
     # (sm_90 SASS: 2.95 instructions a code at (16, 1024, 4), 2.59 for int4 at (32, 1024, 4))
     "8d": [(16, 1024, 4), (8, 1024, 4), (32, 1024, 8), (16, 2048, 8), (8, 2048, 4), (32, 512, 4), (64, 512, 8),
            (4, 4096, 4), (8, 512, 4), (16, 512, 4), (64, 256, 8), (32, 256, 4)],
+    # fp8 in fp16x2: more rows amortize x's conversion (SASS: 2.27 instructions a code at
+    # (16, 1024, 4), 1.70 at (64, 512, 4))
+    "8f": [(64, 512, 4), (32, 512, 4), (64, 1024, 8), (32, 1024, 4), (16, 1024, 4), (128, 256, 8), (64, 256, 4),
+           (16, 512, 4), (128, 512, 8), (32, 2048, 8)],
     "8gd": [(16, 1024, 4), (8, 1024, 4), (32, 1024, 8), (16, 2048, 8), (32, 512, 4), (64, 512, 8), (16, 512, 4)],
     "4d": [(32, 1024, 4), (16, 1024, 4), (64, 1024, 8), (32, 2048, 8), (16, 2048, 4), (64, 512, 4), (128, 512, 8),
            (8, 4096, 4), (64, 512, 8), (128, 256, 8), (64, 256, 4), (32, 512, 4)],
@@ -225,10 +236,9 @@ def main():
     for kind in [k for k in opts.kinds.split(",") if k]:
         bits = width_key(kind)
         for name, (n, k) in shapes.items():
-            # fp8 runs at int8's best blocks (same bytes; only the widening differs)
-            # and int4 g64 at g128's: the table is keyed by width and shape
+            # int4 g64 runs at g128's blocks: the table is keyed by width and shape
             key = f"{bits}:{n}:{k}"
-            fixed = [tuple(table[key]["config"])] if kind in ("fp8", "int4-g64") and key in table else None
+            fixed = [tuple(table[key]["config"])] if kind == "int4-g64" and key in table else None
             if opts.retime and key in gemv.tuned():  # time the stored config only
                 fixed = [tuple(gemv.tuned()[key]["config"])]
             r = sweep(kind, n, k, fixed)

@@ -58,6 +58,7 @@ for n, k in SHAPES:
         worst = max(worst, err)
         # int8 (Q8_0 too) and int4 with a bf16 x go through dp4a, x as int8 planes
         # within 1.6e-5 of each block's largest |x| (gemv._x_planes); the rest sums in fp32
+        # (fp8 here too: the fp16 sums of its PTX are checked by test_fp8_half_ptx_...)
         assert err < (1e-4 if name.startswith(("int8", "int4")) else 1e-5), (n, k, name, err)
 print("worst relative error", worst)
 """
@@ -203,7 +204,7 @@ OPS_CHILD = r"""
 import torch
 from brisklm.kernels import attention, gemv
 from brisklm.model import KVCache
-from brisklm.quantize import quantize_int4, quantize_int8
+from brisklm.quantize import quantize_fp8, quantize_int4, quantize_int8
 # The custom ops that compiled CUDA steps call: schema, fake (shape-only)
 # implementation against the real one, and tracing by AOT autograd.
 torch.manual_seed(0)
@@ -219,6 +220,8 @@ cases.append((gemv._int8_dp4a_op, (x, w8, list(gemv.int8_dp4a_config(w8)))))
 cases.append((gemv._int4_dp4a_op, (x, q4["int4"], scale, zero, list(gemv.int4_dp4a_config(q4["int4"], scale)))))
 q8 = quantize_int8(w, 32)  # GGUF Q8_0: a scale per 32 inputs
 cases.append((gemv._int8_group_dp4a_op, (x, q8["int8"], q8["scale"].half(), list(gemv.config("8gd", 40, 64, 32)))))
+wf8 = quantize_fp8(w)["fp8"]
+assert gemv.uses_fp8_half(x, wf8)
 for int8 in (False, True):
     cache = KVCache(1, 2, 48, 32, torch.bfloat16, "cpu", int8)
     qkv = torch.randn((4 + 2 * 2) * 32).to(torch.bfloat16)
@@ -231,12 +234,15 @@ for int8 in (False, True):
         cases.append((attention._decode_attention_op, (qkv, cos, sin, cache.k, cache.v, pos, 0)))
 for op, args in cases:
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-print("ops ok", len(cases))
+# (opcheck's schema test multiplies the inputs, which CPUs cannot do in fp8)
+torch.library.opcheck(gemv._fp8_half_op, (x, wf8, list(gemv.config("8f", 40, 64))),
+                      test_utils=("test_faketensor", "test_aot_dispatch_static"))
+print("ops ok", len(cases) + 1)
 """
 
 
 def test_custom_ops_fake_implementations_and_schemas():
-    assert "ops ok 8" in run_interpreted(OPS_CHILD)
+    assert "ops ok 9" in run_interpreted(OPS_CHILD)
 
 
 def test_gemv_blocks_are_a_constant_of_the_traced_graph():
@@ -262,12 +268,36 @@ def test_gemv_blocks_are_a_constant_of_the_traced_graph():
     assert len(graphs) == 1
 
 
+def _f16(bits: int) -> float:
+    import numpy as np
+    return float(np.array(bits & 0xFFFF, dtype=np.uint16).view(np.float16))
+
+
+def _f16_bits(v: float) -> int:
+    import numpy as np
+    return int(np.array(v, dtype=np.float16).view(np.uint16))  # rounded to nearest, ties to even
+
+
 def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
-    """A tiny interpreter of the PTX in the dp4a kernels (and, shr, dp4a, mad)
-    on 32-bit register values, so the inline assembly that Triton's
-    interpreter cannot run is checked here."""
+    """A tiny interpreter of the PTX in the dp4a and fp8 kernels (and, shr,
+    dp4a, mad; mov into halves, e4m3 and f16 conversions, f16x2 mul and fma,
+    f32 add) on 32-bit register values, so the inline assembly that Triton's
+    interpreter cannot run is checked here. f16x2 results are each half's
+    exact value rounded once (exact in float64 at these magnitudes)."""
+    import numpy as np
+    import torch
+
     def value(a):
         return regs[a] if a in regs else int(a, 0)
+
+    def halves(v):
+        return _f16(v), _f16(v >> 16)
+
+    def pack(lo, hi):
+        return _f16_bits(lo) | _f16_bits(hi) << 16
+
+    def e4m3(byte):
+        return float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
 
     def lanes(v, signed):
         return [((v >> 8 * i & 255) ^ 128) - 128 if signed else v >> 8 * i & 255 for i in range(4)]
@@ -289,6 +319,20 @@ def _run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
             regs[args[0]] = s32(dot + value(args[3]))
         elif op == "mad.lo.s32":
             regs[args[0]] = s32(value(args[1]) * value(args[2]) + value(args[3]))
+        elif op == "mov.b32" and args[0].startswith("{"):
+            v = value(args[2]) % 2**32
+            regs[args[0][1:]], regs[args[1][:-1]] = v & 0xFFFF, v >> 16
+        elif op == "cvt.rn.f16x2.e4m3x2":  # the low byte into the low half
+            v = value(args[1])
+            regs[args[0]] = pack(e4m3(v & 255), e4m3(v >> 8 & 255))
+        elif op in ("mul.rn.f16x2", "fma.rn.f16x2"):
+            a, b = halves(value(args[1])), halves(value(args[2]))
+            c = halves(value(args[3])) if op.startswith("fma") else (0.0, 0.0)
+            regs[args[0]] = pack(*(p * q + r for p, q, r in zip(a, b, c)))
+        elif op == "cvt.f32.f16":
+            regs[args[0]] = _f16(value(args[1]))  # floats held as Python floats from here
+        elif op == "add.f32":
+            regs[args[0]] = float(np.float32(np.float32(regs[args[1]]) + np.float32(regs[args[2]])))
         else:
             assert op in ("{", "}", ".reg"), op
     return regs
@@ -320,6 +364,34 @@ def test_dp4a_ptx_matches_the_interpreted_integer_path():
         want = sum(map(int.__mul__, signed_bytes(w), signed_bytes(xe_hi))) * gemv.X_LO \
             + sum(map(int.__mul__, signed_bytes(w), signed_bytes(xe_lo)))
         assert _run_ptx(gemv.DP4A_INT8.value, {"$1": w, "$2": xe_hi, "$3": xe_lo})["$0"] == want
+
+
+def test_fp8_half_ptx_matches_fp16_arithmetic():
+    """The fp8 kernel's PTX (gemv.FP8_HALF): 16 e4m3 codes (four words, the
+    low byte first) times x as eight f16x2 pairs (input 2m in the low half):
+    against the same sums done lane by lane in numpy's fp16 (inputs 2m in
+    one lane, 2m + 1 in the other, each product added and rounded in turn),
+    and within fp16's rounding of the exact dot product."""
+    import numpy as np
+    import torch
+
+    from brisklm.kernels import gemv
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        codes = torch.randint(0, 256, (16,), generator=rng, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes (quantize_fp8 writes none)
+        w = codes.view(torch.float8_e4m3fn).double().tolist()
+        x = (torch.rand(16, generator=rng, dtype=torch.float64) * 16 - 8).half().double().tolist()
+        words = [int(v) for v in codes.view(torch.int32)]
+        pairs = [_f16_bits(x[2 * m]) | _f16_bits(x[2 * m + 1]) << 16 for m in range(8)]
+        regs = {f"${1 + j}": words[j] for j in range(4)} | {f"${5 + m}": pairs[m] for m in range(8)}
+        got = _run_ptx(gemv.FP8_HALF.value, regs)["$0"]
+        lanes = [np.float16(0), np.float16(0)]
+        for k in range(16):
+            lanes[k % 2] = np.float16(float(lanes[k % 2]) + w[k] * x[k])
+        assert got == float(np.float32(np.float32(lanes[0]) + np.float32(lanes[1])))
+        exact = sum(a * b for a, b in zip(w, x))
+        assert abs(got - exact) <= 16 * 2.0**-11 * sum(abs(a * b) for a, b in zip(w, x)) + 1e-6
 
 
 REPRESENTATION_CHILD = r"""

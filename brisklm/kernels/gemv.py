@@ -26,7 +26,13 @@ _int4_dp4a_kernel): each program turns its
 slice of x into two int8 planes per block of inputs (_x_planes), and each
 instruction sums four exact integer products: about 2 instructions a code
 against 4.3-4.9 (sm_90 SASS, benchmarks/gemv_sass.py), for an error from x's
-representation within 1.6e-5 of each block's largest |x|.
+representation within 1.6e-5 of each block's largest |x|. fp8 e4m3 codes
+with a half x go through fp16x2 arithmetic (_fp8_half_kernel, sm_89+): one
+conversion turns two codes into fp16 exactly, one fused multiply-add takes
+two products, and runs of 16 products are summed in fp16 before fp32 (1.7
+instructions a code against 3.5); x is scaled by a power of two so those
+sums cannot overflow, for an error near 1e-3 of the output's norm, under
+what bf16 resolves.
 
 Block sizes come from `config`, chosen by measurement on an H200
 (benchmarks/gemv_sweep.py). The same launchers run under TRITON_INTERPRET=1
@@ -63,7 +69,8 @@ def available(device: torch.device) -> bool:
 # benchmarks/gemv_sweep.py for a device) has no entry. BLOCK_K counts codes.
 DEFAULT_CONFIG = {16: (8, 512, 1, 4), 8: (16, 1024, 1, 4), 4: (32, 1024, 1, 8), "8g": (32, 512, 1, 4),
                   "8d": (16, 1024, 1, 4), "4d": (64, 512, 1, 4),  # d: dp4a (half x); 4d: best for 3 of 5 8B shapes
-                  "8gd": (16, 1024, 1, 4)}  # Q8_0 through dp4a (GGUF), as 8d
+                  "8gd": (16, 1024, 1, 4),  # Q8_0 through dp4a (GGUF), as 8d
+                  "8f": (16, 1024, 1, 4)}  # fp8 in fp16x2 arithmetic
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "gemv_tuned.json")
 _tuned: dict | None = None
 
@@ -385,6 +392,76 @@ if triton is not None:
             acc += d.to(tl.float32) * s * (step * (1 / 254))[None, :] + (z - 8 * s) * x_sum[None, :]
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
 
+    def _fp8_half_asm() -> str:
+        """PTX: four int32 words of fp8 e4m3 codes ($1-$4: 16 consecutive
+        inputs of a row) times x held as eight f16x2 pairs ($5-$12: inputs
+        2m, 2m + 1), as one fp32 ($0). Each cvt turns two codes into an f16x2
+        exactly (the low byte into the low half); the 16 products are summed in
+        f16x2 fused multiply-adds, the two halves in fp32 at the end."""
+        lines = ["{", ".reg .b16 lo, hi;", ".reg .b32 c, s;", ".reg .f32 a, b;"]
+        for j in range(4):
+            lines += [f"mov.b32 {{lo, hi}}, ${1 + j};", "cvt.rn.f16x2.e4m3x2 c, lo;",
+                      "mul.rn.f16x2 s, c, $5;" if j == 0 else f"fma.rn.f16x2 s, c, ${5 + 2 * j}, s;",
+                      "cvt.rn.f16x2.e4m3x2 c, hi;", f"fma.rn.f16x2 s, c, ${6 + 2 * j}, s;"]
+        return "\n".join(lines + ["mov.b32 {lo, hi}, s;", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;",
+                                   "add.f32 $0, a, b;", "}"])
+
+    FP8_HALF = tl.constexpr(_fp8_half_asm())
+    FP8_HALF_X_MAX = tl.constexpr(8.0)  # 16 products of |code| <= 448 and |x| <= 8 stay under fp16's 65504
+
+    @triton.jit
+    def _split4(v):
+        """(..., 2, 2) -> the four (...) slices v[..., j // 2, j % 2], j = 0..3."""
+        a, b = tl.split(v)  # a: j = 0, 2; b: j = 1, 3
+        v0, v2 = tl.split(a)
+        v1, v3 = tl.split(b)
+        return v0, v1, v2, v3
+
+    @triton.jit
+    def _fp8_half_kernel(x_ptr, w_ptr, w8_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        # fp8 e4m3 codes (a scale per row, applied by the caller) for a half x,
+        # in fp16x2 arithmetic (FP8_HALF): x scaled by a power of two, exactly,
+        # so that 16 products sum in fp16 without overflow; sums of 16 in fp32.
+        _await_inputs(PDL)
+        CHUNKS: tl.constexpr = BLOCK_K // 16
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        words = tl.arange(0, CHUNKS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # (CHUNKS, 4)
+        acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
+        k_start = pid_k * K_PER_SPLIT
+        top = tl.zeros((BLOCK_K,), dtype=tl.float32)  # the program's largest |x|, read once before
+        for i in range(0, K_PER_SPLIT, BLOCK_K):
+            top = tl.maximum(top, tl.abs(tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)))
+        up = tl.exp2(tl.floor(tl.log2(FP8_HALF_X_MAX / tl.maximum(tl.max(top, axis=0), 1e-30))))
+        for i in range(0, K_PER_SPLIT, BLOCK_K):
+            k0 = k_start + i
+            xh = (tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32) * up).to(tl.float16)
+            if INTERPRET:  # no PTX there: the codes through the fp8 view, sums in fp32
+                w8 = tl.load(w8_ptr + rows.to(tl.int64)[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :],
+                             mask=row_ok[:, None]).to(tl.float32)
+                d = tl.sum(tl.reshape(w8 * xh.to(tl.float32)[None, :], (BLOCK_N, CHUNKS, 16)), axis=2)
+            else:
+                w = tl.load(w_ptr + rows.to(tl.int64)[:, None, None] * (K // 4) + (k0 // 4 + words)[None],
+                            mask=row_ok[:, None, None])
+                w0, w1, w2, w3 = _split4(tl.reshape(w, (BLOCK_N, CHUNKS, 2, 2)))  # word j: inputs 4j..4j+3
+                bits = xh.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                lo, hi = tl.split(tl.reshape(bits, (CHUNKS, 8, 2)))
+                pairs = lo | (hi << 16)  # (CHUNKS, 8): pair m holds inputs 2m (low half) and 2m + 1
+                q0, q1, q2, q3 = _split4(tl.reshape(pairs, (CHUNKS, 2, 2, 2)))  # q_c[:, a]: pair 4a + c
+                x0, x4 = tl.split(q0)
+                x1, x5 = tl.split(q1)
+                x2, x6 = tl.split(q2)
+                x3, x7 = tl.split(q3)
+                d = tl.inline_asm_elementwise(
+                    FP8_HALF, "=r" + ",r" * 12,
+                    [w0, w1, w2, w3, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None],
+                     x7[None]], dtype=tl.float32, is_pure=True, pack=1)
+            acc += d
+        tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1) / up, mask=row_ok)
+
 # 1.0's fp32 bits; for int8 codes also bit 22, the code's top bit flipped
 # (q + 128) where _code_as_float moves it.
 ONE_BITS = {4: 0x3F800000, 8: 0x3F800000 | 0x80 << 15}
@@ -488,6 +565,26 @@ def uses_dp4a(x: torch.Tensor, codes: torch.Tensor, group: int | None = None) ->
     return codes.dtype == torch.uint8 and group in (32, 64, 128, 256)
 
 
+def uses_fp8_half(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """fp8 e4m3 codes, a half-precision x, where PTX converts e4m3 pairs (sm_89+): the fp16x2 kernel."""
+    if w.dtype != torch.float8_e4m3fn or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    block_k, split_k = config("8f", *w.shape)[1:3]
+    fits = w.shape[1] % (block_k * split_k) == 0 and block_k % 16 == 0
+    return fits and (not w.is_cuda or torch.cuda.get_device_capability(w.device) >= (8, 9))
+
+
+def _launch_fp8_half(x, w, cfg, launch):
+    n, k = w.shape
+    block_n, block_k, split_k, warps = cfg
+    out = torch.empty((split_k, n), device=w.device, dtype=torch.float32)
+    pdl = early_launch(w.device)
+    launch(_fp8_half_kernel)[(triton.cdiv(n, block_n), split_k)](
+        x, w.view(torch.int32), w, out, n, k, k // split_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRET=interpreted(), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return out
+
+
 def _direct(kernel):
     return kernel
 
@@ -526,6 +623,7 @@ if triton is not None:
                                    "(Tensor x, Tensor w, Tensor scale, int[] cfg) -> Tensor")
     _int4_dp4a_op = _gemv_op("int4_dp4a_gemv", _launch_int4_dp4a,
                              "(Tensor x, Tensor codes, Tensor scale, Tensor zero, int[] cfg) -> Tensor")
+    _fp8_half_op = _gemv_op("fp8_half_gemv", _launch_fp8_half, "(Tensor x, Tensor w, int[] cfg) -> Tensor")
 
 
 def _run(op, launcher, *args):
@@ -538,6 +636,8 @@ def scaled_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     if uses_dp4a(x, w):
         return _run(_int8_dp4a_op, _launch_int8_dp4a, x, w, list(int8_dp4a_config(w)))
+    if uses_fp8_half(x, w):
+        return _run(_fp8_half_op, _launch_fp8_half, x, w, list(config("8f", *w.shape)))
     return _run(_scaled_gemv_op, _launch_scaled, x, w, list(scaled_config(w)))
 
 
