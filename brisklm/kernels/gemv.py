@@ -429,7 +429,6 @@ if triton is not None:
         pid_k = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        words = tl.arange(0, CHUNKS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # (CHUNKS, 4)
         acc = tl.zeros((BLOCK_N, CHUNKS), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         top = tl.zeros((BLOCK_K,), dtype=tl.float32)  # the program's largest |x|, read once before
@@ -444,8 +443,9 @@ if triton is not None:
                              mask=row_ok[:, None]).to(tl.float32)
                 d = tl.sum(tl.reshape(w8 * xh.to(tl.float32)[None, :], (BLOCK_N, CHUNKS, 16)), axis=2)
             else:
-                w = tl.load(w_ptr + rows.to(tl.int64)[:, None, None] * (K // 4) + (k0 // 4 + words)[None],
-                            mask=row_ok[:, None, None])
+                # rows of words, lanes along K (a (BLOCK_N, CHUNKS, 4) tile had its lanes across rows)
+                w_cols = k0 // 4 + tl.arange(0, 4 * CHUNKS)
+                w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 4) + w_cols[None, :], mask=row_ok[:, None])
                 w0, w1, w2, w3 = _split4(tl.reshape(w, (BLOCK_N, CHUNKS, 2, 2)))  # word j: inputs 4j..4j+3
                 bits = xh.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 lo, hi = tl.split(tl.reshape(bits, (CHUNKS, 8, 2)))
