@@ -407,7 +407,6 @@ if triton is not None:
                                    "add.f32 $0, a, b;", "}"])
 
     FP8_HALF = tl.constexpr(_fp8_half_asm())
-    FP8_HALF_X_MAX = tl.constexpr(8.0)  # 16 products of |code| <= 448 and |x| <= 8 stay under fp16's 65504
 
     @triton.jit
     def _split4(v):
@@ -434,7 +433,10 @@ if triton is not None:
         top = tl.zeros((BLOCK_K,), dtype=tl.float32)  # the program's largest |x|, read once before
         for i in range(0, K_PER_SPLIT, BLOCK_K):
             top = tl.maximum(top, tl.abs(tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)))
-        up = tl.exp2(tl.floor(tl.log2(FP8_HALF_X_MAX / tl.maximum(tl.max(top, axis=0), 1e-30))))
+        # up = 2**(2 - the exponent of the largest |x|): |x| up < 8, so 16 products
+        # of |code| <= 448 stay under fp16's 65504 (built from the exponent bits)
+        exponent = (tl.maximum(tl.max(top, axis=0), 1e-30).to(tl.int32, bitcast=True) >> 23) & 255
+        up = ((256 - exponent) << 23).to(tl.float32, bitcast=True)
         for i in range(0, K_PER_SPLIT, BLOCK_K):
             k0 = k_start + i
             xh = (tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32) * up).to(tl.float16)
