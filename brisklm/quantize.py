@@ -59,9 +59,10 @@ def quantize_int8(w: torch.Tensor, groupsize: int | None = None) -> dict[str, to
 
 
 def dequantize_grouped(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """(..., K) codes times (..., K/group) scales, in dtype."""
-    groups = q.to(dtype).unflatten(-1, (scale.shape[-1], -1)) * scale.to(dtype)[..., None]
-    return groups.flatten(-2)
+    """(..., K) codes times (..., K/group) scales, in dtype: each product rounded
+    once (in bf16 a scale rounded first would shift its whole group)."""
+    groups = q.float().unflatten(-1, (scale.shape[-1], -1)) * scale.float()[..., None]
+    return groups.flatten(-2).to(dtype)
 
 
 def quantize_fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
