@@ -237,10 +237,9 @@ class GroupedInt8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dequantized(self, dtype) -> torch.Tensor:
-        if not self.grouped:
-            return dequantize_grouped(self.weight, self.scale, dtype)
-        w = self.groups.to(dtype) * self.group_scales.to(dtype)[..., None]  # (K/G, N, G)
-        return w.transpose(0, 1).reshape(self.out_features, self.in_features)
+        if self.grouped:  # codes back from (K/G, N, G) to (N, K)
+            return dequantize_grouped(self.groups.transpose(0, 1).flatten(1), self.group_scales.t(), dtype)
+        return dequantize_grouped(self.weight, self.scale, dtype)
 
     def group_by_group(self, x):
         """x (M, K) times the weights, summed over the groups in fp32."""
