@@ -338,12 +338,15 @@ if triton is not None:
         pid_k = tl.program_id(1)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 4)
-        words = tl.arange(0, BLOCKS)[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCKS, WPB)
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 4)
+        words = tl.arange(0, BLOCK_K // 4)
         acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
-            w = tl.load(w_rows + ((k_start + i) // 4 + words)[None, :, :], mask=row_ok[:, None, None])
+            # loaded as rows of words, the lanes along K, then viewed by block: a (BLOCK_N, BLOCKS, WPB)
+            # tile of small blocks (GGUF's 32 inputs) got its lanes across rows, uncoalesced
+            w = tl.load(w_rows + ((k_start + i) // 4 + words)[None, :], mask=row_ok[:, None])
+            w = tl.reshape(w, (BLOCK_N, BLOCKS, WPB))
             xf = tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)
             hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
             x_hi = _as_words(tl.reshape(hi, (BLOCKS, WPB, 4)))
@@ -370,13 +373,14 @@ if triton is not None:
         n_groups = K // GROUP
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
-        w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 8)
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 8)
         g_off = tl.arange(0, GROUPS)
-        words = g_off[:, None] * WPG + tl.arange(0, WPG)[None, :]  # (GROUPS, WPG)
+        words = tl.arange(0, BLOCK_K // 8)
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
-            w = tl.load(w_rows + ((k_start + i) // 8 + words)[None, :, :], mask=row_ok[:, None, None])
+            w = tl.load(w_rows + ((k_start + i) // 8 + words)[None, :], mask=row_ok[:, None])  # lanes along K
+            w = tl.reshape(w, (BLOCK_N, GROUPS, WPG))
             g = (k_start + i) // GROUP + g_off
             sz = rows[:, None] * n_groups + g[None, :]
             s = tl.load(s_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
