@@ -33,7 +33,8 @@ CASES = {
                                                         "INTERPRET": False}),
     "int8-g32-dp4a": (gemv._int8_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "XB": 32, "GROUPED": True,
                                                             "INTERPRET": False}),
-    "int4-dp4a": (gemv._int4_dp4a_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False}),
+    "int4-dp4a": (gemv._int4_dp4a_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False,
+                                                          "W_ALIGN": 16, "S_ALIGN": 16}),  # K = 4096
     "fp8": (gemv._scaled_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512, "EVEN_K": True}),
     "fp8-half": (gemv._fp8_half_kernel, 64, 512, 4, {"BLOCK_K": 512, "INTERPRET": False}),
 }
