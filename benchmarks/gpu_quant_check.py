@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_quant_check.py [--layers 4]
 
-For each mode (int8, fp8, int4 g128, int4 g32), a model with the Llama-3.1-8B
+For each mode (int8, q8_0, fp8, int4 g128, int4 g32), a model with the Llama-3.1-8B
 matrix shapes (fewer layers, random weights) is quantized and run three ways
 over a 5-token prompt and one decode token:
   - dense: the dequantized weights as plain bf16 matrices (cuBLAS);
@@ -65,7 +65,7 @@ def main():
     eager = decode_logits(base, base, prompt)
     compiled = decode_logits(base, torch.compile(base), prompt)
     rows.append(("bf16 (cuBLAS or our GEMV per the table)", "", rel(compiled, eager)))
-    for mode, group in (("int8", None), ("fp8", None), ("int4", 128), ("int4", 32)):
+    for mode, group in (("int8", None), ("q8_0", None), ("fp8", None), ("int4", 128), ("int4", 32)):
         qargs, qstate = quantize_state_dict(args, state, mode, group or 128)
         qmodel = build_model(qargs, qstate)
         dmodel = build_model(qargs, dense_copy(qargs, qstate))

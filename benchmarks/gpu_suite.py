@@ -21,6 +21,7 @@ VARIANTS = {
     "bf16-short": ["--context", ""],  # the quantized variants' settings: 5-token prompt, cache of 213
     "int8": ["--quantize", "int8", "--context", ""],
     "fp8": ["--quantize", "fp8", "--context", ""],
+    "q8_0": ["--quantize", "q8_0", "--context", ""],
     "int4": ["--quantize", "int4", "--groupsize", "128", "--context", ""],
     "bf16-kv8": ["--kv_int8", "--context", "32768"],
     "bf16-4096": ["--max_seq_length", "4096", "--context", ""],  # the cache `brisk generate` makes by default
