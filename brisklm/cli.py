@@ -265,7 +265,7 @@ def cmd_quantize(args):
     from .checkpoints.native import save_native
     log(f"Reading {args.checkpoint_path or 'the bundled default model'}...")
     ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype),
-                keep_gguf_blocks=args.mode == "gguf")
+                keep_gguf_blocks="all" if args.mode == "gguf" else False)
     model_args, state = quantize_loaded(ckpt.args, ckpt.state_dict, ckpt.tokenizer, args.mode,
                                         args.groupsize, ckpt.path, quiet=False)
     output = args.output or os.path.splitext(ckpt.path.rstrip("/"))[0] + f"-{args.mode}"

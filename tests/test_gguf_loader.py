@@ -171,3 +171,31 @@ def test_q8_0_matrices_are_kept_as_grouped_int8_where_our_gemv_runs(tmp_path, hf
         m.setup_caches(1, 16)
     with torch.no_grad():
         assert torch.allclose(ours(ids, torch.arange(4)), ref(ids, torch.arange(4)), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_gguf_writes_every_q8_0_matrix_as_stored(tmp_path, hf_model):
+    """`brisk quantize --mode gguf` keeps every Q8_0 matrix as int8 with its
+    scales, on a CPU too (where loading the GGUF itself dequantizes the layers'
+    Q8_0 matrices for speed): the checkpoint reloads to the same values and
+    logits as the file read dense."""
+    from brisklm.cli import main
+    from brisklm.quantize import GroupedInt8Linear, dequantize, quantized_entries
+    model, tied = hf_model
+    path, _ = write_q8_0_copy(tmp_path, model, tied, ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                       "ffn_down.weight"))
+    out = tmp_path / "native"
+    assert main(["quantize", "--checkpoint_path", path, "--mode", "gguf", "--dtype", "float32",
+                 "--output", str(out)]) == 0
+    dense = load(path, dtype=torch.float32)
+    again = load(str(out), dtype=torch.float32)
+    for name in ("layers.0.attention.wqkv.weight", "layers.1.feed_forward.w2.weight"):
+        parts = quantized_entries(again.state_dict, name)
+        assert parts["int8"].dtype == torch.int8 and parts["scale"].shape[1] == parts["int8"].shape[1] // 32
+        assert torch.equal(dequantize(parts), dense.state_dict[name])
+    ours, ref = build_model(again.args, again.state_dict), build_model(dense.args, dense.state_dict)
+    assert isinstance(ours.layers[1].feed_forward.w2, GroupedInt8Linear)
+    ids = torch.tensor([[1, 7, 42, 3]])
+    for m in (ours, ref):
+        m.setup_caches(1, 16)
+    with torch.no_grad():
+        assert torch.allclose(ours(ids, torch.arange(4)), ref(ids, torch.arange(4)), rtol=1e-5, atol=1e-5)

@@ -163,7 +163,8 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Che
     int8 entries where our Triton GEMV can run them. On CPUs only a Q8_0 output
     layer is kept (also when it is the tied embedding): aten's int8 matmul, once
     per group of 32 inputs, beat its dense bf16 copy there, but not at the
-    layers' sizes (quantize.GroupedInt8Linear); the other Q8_0 matrices are dequantized."""
+    layers' sizes (quantize.GroupedInt8Linear); the other Q8_0 matrices are dequantized.
+    keep_blocks="all" keeps every Q8_0 matrix on any device (to write them as stored)."""
     from gguf.quants import dequantize
     reader = open_reader(path)
     meta = metadata(reader)
@@ -210,7 +211,8 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Che
         qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
                     if ARCHITECTURES[arch]["permuted_qk"] else {})
         kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device,
-                                     keep_q8="all" if gemv.available(torch.device(device)) else "output")
+                                     keep_q8="all" if keep_blocks == "all" or gemv.available(torch.device(device))
+                                     else "output")
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
                                    progress, skip=kept)
     for name, parts in kept.items():
