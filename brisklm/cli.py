@@ -281,8 +281,7 @@ def cmd_eval(args):
     import torch
     from .api import load, log
     from .evaluate import default_text, perplexity, perplexity_and_kl
-    llm = _load(args)
-    if args.text:
+    if args.text:  # read before the model loads: a bad path fails at once
         try:
             with open(args.text, encoding="utf-8") as f:
                 text = f.read()
@@ -290,6 +289,7 @@ def cmd_eval(args):
             raise BriskError(f"{args.text}: cannot read text ({e})") from None
     else:
         text = default_text()
+    llm = _load(args)
     ids = torch.tensor(llm.require_tokenizer().encode(text)[:args.max_tokens])
     if ids.numel() < 2:
         raise BriskError("the text has fewer than 2 tokens")

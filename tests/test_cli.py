@@ -137,6 +137,14 @@ def test_eval_reports_perplexity_and_kl(smollm2_gguf):
     assert done.stdout.startswith("perplexity ") and "mean KL divergence" in done.stdout
 
 
+def test_eval_with_an_unreadable_text_fails_before_loading(smollm2_gguf, tmp_path):
+    missing = tmp_path / "missing.txt"
+    done = brisk("eval", "--perplexity", "--checkpoint_path", smollm2_gguf, "--text", str(missing))
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {missing}: cannot read text ([Errno 2] No such file or directory: " \
+                                  f"'{missing}')"
+
+
 def json_load(path):
     import json
     return json.loads(path.read_text())
