@@ -221,7 +221,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
 
     quantize: "int8" (per channel), "q8_0" (a scale per 32 inputs, GGUF's
     Q8_0 layout: closer to the dense model than int8, fast where the Triton
-    GEMVs run, several times slower than int8 on CPUs) or "int4" (groupsize)
+    GEMVs run, slower than int8 on CPUs) or "int4" (groupsize)
     weight-only, by round-to-nearest at load; "gguf" keeps a GGUF file's Q4_0/Q4_1 matrices
     as they are (int4, group 32), with no dequantize-requantize round trip;
     "auto" (the default) does that for GGUF files that have such matrices and
@@ -257,7 +257,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
     args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
     if quantize == "q8_0" and torch.device(device).type == "cpu":
-        log("Note: q8_0 runs group by group on CPUs, several times slower than int8 here", quiet)
+        log("Note: q8_0 is slower than int8 on CPUs (about 0.7x compiled, group by group eager)", quiet)
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,

@@ -48,6 +48,8 @@ def test_grouped_int8_linear_computes_with_the_dequantized_weight(m):
     assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4)
     step = w.reshape(96, 8, 32).abs().amax(-1, keepdim=True) / 127
     assert ((dequantize(parts) - w).reshape(96, 8, 32).abs() <= step / 2 + 1e-6).all()
+    if m == 1:  # the expression a compiled step uses instead (up to FUSED_ROWS rows)
+        assert torch.allclose(layer.fused_one_token(x.reshape(-1)), expected.reshape(-1), rtol=1e-5, atol=1e-4)
 
 
 def test_int4_error_is_within_half_a_step_of_each_group():
