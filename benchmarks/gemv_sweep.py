@@ -220,7 +220,8 @@ def write_table(table):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--write", action="store_true")
-    ap.add_argument("--kinds", default="bf16,int8,fp8,int4-g128,int4-g64", help="kinds to time ('' for none)")
+    ap.add_argument("--kinds", default="bf16,int8,fp8,int8-g32,int4-g128,int4-g64",
+                    help="kinds to time ('' for none)")
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     ap.add_argument("--retime", action="store_true", help="time only the configs already in the table")
     ap.add_argument("--check", default="bf16,int8,fp8,int8-g32,int4-g32,int4-g64,int4-g128,int4-g256",

@@ -526,7 +526,7 @@ def dp4a_block(k: int) -> int | None:
 
 
 def _launch_int8_dp4a(x, w, cfg, launch, scale=None):
-    """A scale per row (applied by the caller), or with `scale` (N, K / 32) per group of 32 inputs."""
+    """A scale per row (applied by the caller), or with `scale` (N, K / G) one per group of G inputs."""
     n, k = w.shape
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=w.device, dtype=torch.float32)
@@ -663,10 +663,10 @@ def grouped_gemv(x, codes, scale, zero) -> torch.Tensor:
     """(SPLIT_K, N) fp32 partial sums of groupwise int4 or int8 weights times a (K,) vector x."""
     x = x.contiguous()
     group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
-    if uses_dp4a(x, codes, group) and codes.dtype == torch.int8:
-        cfg = config("8gd", *codes.shape, group)
-        return _run(_int8_group_dp4a_op, _launch_int8_group_dp4a, x, codes, scale, list(cfg))
     if uses_dp4a(x, codes, group):
+        if codes.dtype == torch.int8:  # GGUF Q8_0 and mode q8_0
+            return _run(_int8_group_dp4a_op, _launch_int8_group_dp4a, x, codes, scale,
+                        list(config("8gd", *codes.shape, group)))
         return _run(_int4_dp4a_op, _launch_int4_dp4a, x, codes, scale, zero, list(int4_dp4a_config(codes, scale)))
     return _run(_grouped_gemv_op, _launch_grouped, x, codes, scale, zero, list(grouped_config(codes, scale)))
 
