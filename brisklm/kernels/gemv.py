@@ -5,10 +5,11 @@ once, so the kernel's whole job is to stream W at the memory's speed and
 spend few instructions per byte. Each program owns BLOCK_N output rows and
 one of SPLIT_K slices of K; it loads 16-byte vectors along K (rows are
 contiguous there), widens them to fp32 and keeps a (BLOCK_N, BLOCK_K) tile of
-running products, reduced once at the end. The kernels return fp32 partial
-sums (SPLIT_K, N): the caller's `.sum(0) * scale`, and whatever follows, is
-fused by inductor into the next elementwise kernel instead of a launch of
-its own.
+running products, reduced once at the end. Weights are loaded evict_first:
+read once, they should leave L2 before activations and the KV cache. The
+kernels return fp32 partial sums (SPLIT_K, N): the caller's
+`.sum(0) * scale`, and whatever follows, is fused by inductor into the next
+elementwise kernel instead of a launch of its own.
 
   scaled_gemv:  int8, float8_e4m3fn or dense weights (N, K); the per-row
                 scale is applied by the caller. int8 is read as int32 words
@@ -142,11 +143,11 @@ if triton is not None:
             k = k_start + i + cols
             if EVEN_K:
                 x = tl.load(x_ptr + k)
-                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None])
+                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
             else:
                 k_ok = k < K
                 x = tl.load(x_ptr + k, mask=k_ok, other=0)
-                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
+                w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], eviction_policy="evict_first")
                 w = tl.where(k_ok[None, :], w.to(tl.float32), 0.0)  # masked lanes are undefined
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
@@ -188,7 +189,7 @@ if triton is not None:
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
             k0 = k_start + i
-            w = tl.load(w_rows + (k0 // 4 + words)[None, :], mask=row_ok[:, None])
+            w = tl.load(w_rows + (k0 // 4 + words)[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
             for b in tl.static_range(4):  # byte b of a word is k = 4 * word + b
                 x = tl.load(x_ptr + k0 + 4 * words + b).to(tl.float32)
                 acc += _code_as_float(w, 8 * b, 8, one_bits) * x[None, :]
@@ -225,7 +226,8 @@ if triton is not None:
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
             k0 = k_start + i
-            w = tl.load(w_rows + (k0 // CODES + words)[None, :, :], mask=row_ok[:, None, None])
+            w = tl.load(w_rows + (k0 // CODES + words)[None, :, :], mask=row_ok[:, None, None],
+                        eviction_policy="evict_first")
             dot = tl.zeros((BLOCK_N, GROUPS, WPG), dtype=tl.float32)
             x_sum = tl.zeros((GROUPS, WPG), dtype=tl.float32)
             for p in tl.static_range(CODES):
@@ -345,7 +347,8 @@ if triton is not None:
         for i in range(0, K_PER_SPLIT, BLOCK_K):
             # loaded as rows of words, the lanes along K, then viewed by block: a (BLOCK_N, BLOCKS, WPB)
             # tile of small blocks (GGUF's 32 inputs) got its lanes across rows, uncoalesced
-            w = tl.load(w_rows + ((k_start + i) // 4 + words)[None, :], mask=row_ok[:, None])
+            w = tl.load(w_rows + ((k_start + i) // 4 + words)[None, :], mask=row_ok[:, None],
+                        eviction_policy="evict_first")
             w = tl.reshape(w, (BLOCK_N, BLOCKS, WPB))
             xf = tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)
             hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
@@ -380,7 +383,8 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
         k_start = pid_k * K_PER_SPLIT
         for i in range(0, K_PER_SPLIT, BLOCK_K):
-            w = tl.load(w_rows + ((k_start + i) // 8 + words)[None, :], mask=row_ok[:, None])  # lanes along K
+            w = tl.load(w_rows + ((k_start + i) // 8 + words)[None, :], mask=row_ok[:, None],  # lanes along K
+                        eviction_policy="evict_first")
             w = tl.reshape(w, (BLOCK_N, GROUPS, WPG))
             g = (k_start + i) // GROUP + g_off
             sz = rows[:, None] * n_groups + g[None, :]
@@ -452,7 +456,8 @@ if triton is not None:
             else:
                 # rows of words, lanes along K (a (BLOCK_N, CHUNKS, 4) tile had its lanes across rows)
                 w_cols = k0 // 4 + tl.arange(0, 4 * CHUNKS)
-                w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 4) + w_cols[None, :], mask=row_ok[:, None])
+                w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 4) + w_cols[None, :], mask=row_ok[:, None],
+                            eviction_policy="evict_first")
                 w0, w1, w2, w3 = _split4(tl.reshape(w, (BLOCK_N, CHUNKS, 2, 2)))  # word j: inputs 4j..4j+3
                 bits = xh.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 lo, hi = tl.split(tl.reshape(bits, (CHUNKS, 8, 2)))
