@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 
 import torch
 
@@ -26,6 +27,22 @@ def artifacts_path(model, options: dict, step: str = "decode") -> str:
     from .kernels import gemv  # its tuned blocks are constants of the traced step
     what = repr((torch.__version__, model.args, tensors, sorted(options.items()), where, gemv.tuned()))
     return os.path.join(cache_dir(), "brisklm", f"{step}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
+
+
+def forget_traced(fn):
+    """Remove what torch's caching precompile saved for `fn` by itself. It keys
+    that entry by the function's name and first line only and loads it at
+    every compile, so a step traced under another GEMV table (the blocks are
+    constants of the graph, not guarded) or other options came back: int4
+    decode ran at 489 instead of 554 tokens/s on an H200 after a retune. Our
+    saved file (artifacts_path) is keyed by all of these and, when loaded,
+    writes the entry anew."""
+    try:
+        from torch._dynamo.package import CompilePackage, DynamoCache
+        entry = os.path.join(DynamoCache.path_prefix(), CompilePackage.source_id_from_fn(fn))
+    except (ImportError, AttributeError):  # another torch: nothing of the kind to remove
+        return
+    shutil.rmtree(entry, ignore_errors=True)
 
 
 def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
@@ -44,6 +61,8 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
     if os.path.exists(broken):
         return plain()
     loaded = os.path.exists(path)
+    if not loaded:
+        forget_traced(fn)
     try:
         # A loaded entry is rebuilt inside torch.compile() from the global
         # inductor config, not from `options` (torch reads

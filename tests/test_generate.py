@@ -236,3 +236,39 @@ def test_compiled_decode_step_is_loaded_back_without_tracing(tmp_path):
     assert fourth.returncode == 0, fourth.stderr[-2000:]
     assert dict(line.split(" ", 1) for line in fourth.stdout.splitlines())["tokens"] == first["tokens"]
     assert len(list((tmp_path / "b" / "brisklm").glob("decode-*.bin.broken"))) == 1
+
+
+STALE_CHILD = """
+import os, sys, torch
+from brisklm.precompile import precompiled
+
+@torch.compiler.assume_constant_result  # as the GEMV table: a constant of the graph, not guarded
+def factor():
+    return float(os.environ["FACTOR"])
+
+def step(x):
+    return x * factor()
+
+fn = precompiled(step, {}, os.path.join(sys.argv[1], "step-" + os.environ["FACTOR"] + ".bin"))
+print(fn(torch.ones(3)).tolist())
+"""
+
+
+def test_a_step_traced_under_other_constants_is_not_loaded_back(tmp_path):
+    """torch's caching precompile keys what it saves by the function's name and
+    line only; a step compiled under another table must not come back from it,
+    while the step saved under the same table still does."""
+    import os
+    import subprocess
+    import sys
+
+    def run(factor):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), FACTOR=factor)
+        done = subprocess.run([sys.executable, "-c", STALE_CHILD, str(tmp_path)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert run("2") == "[2.0, 2.0, 2.0]"
+    assert run("3") == "[3.0, 3.0, 3.0]"
+    assert run("2") == "[2.0, 2.0, 2.0]"  # loaded back from its own file
