@@ -20,7 +20,7 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--preset", default=None,
                    help="a named shape with random weights instead of a checkpoint (see presets.py)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
     p.add_argument("--max_seq_length", type=int, default=None,
