@@ -58,6 +58,8 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
         open(broken, "w").close()
         return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
 
+    if os.environ.get("BRISKLM_PRECOMPILE") == "0":  # opted out: a plain compile, nothing saved or marked
+        return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
     if os.path.exists(broken):
         return plain()
     loaded = os.path.exists(path)

@@ -262,8 +262,8 @@ def test_a_step_traced_under_other_constants_is_not_loaded_back(tmp_path):
     import subprocess
     import sys
 
-    def run(factor):
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), FACTOR=factor)
+    def run(factor, **more):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), FACTOR=factor, **more)
         done = subprocess.run([sys.executable, "-c", STALE_CHILD, str(tmp_path)], env=env, capture_output=True,
                               text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -272,3 +272,5 @@ def test_a_step_traced_under_other_constants_is_not_loaded_back(tmp_path):
     assert run("2") == "[2.0, 2.0, 2.0]"
     assert run("3") == "[3.0, 3.0, 3.0]"
     assert run("2") == "[2.0, 2.0, 2.0]"  # loaded back from its own file
+    assert run("5", BRISKLM_PRECOMPILE="0") == "[5.0, 5.0, 5.0]"  # opted out: nothing saved
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2.bin", "step-3.bin"]
