@@ -33,10 +33,10 @@ def forget_traced(fn):
     """Remove what torch's caching precompile saved for `fn` by itself. It keys
     that entry by the function's name and first line only and loads it at
     every compile, so a step traced under another GEMV table (the blocks are
-    constants of the graph, not guarded) or other options came back: int4
-    decode ran at 489 instead of 554 tokens/s on an H200 after a retune. Our
-    saved file (artifacts_path) is keyed by all of these and, when loaded,
-    writes the entry anew."""
+    constants of the graph, not guarded) or other options could come back
+    (after a retune on an H200, int4 decoded at 489 tokens/s until the caches
+    were emptied: 554). Our saved file (artifacts_path) is keyed by all of
+    these and, when loaded, writes the entry anew."""
     try:
         from torch._dynamo.package import CompilePackage, DynamoCache
         entry = os.path.join(DynamoCache.path_prefix(), CompilePackage.source_id_from_fn(fn))
