@@ -148,6 +148,9 @@ def run(configs: list[list[str]], only: str | None = None, sweep: str | None = N
                 rates[n].append(decode_rate(log))
                 note(f"{n} {shlex.join(extra)}: {rates[n][-1]}")
         ids = {n: token_ids(n, extra) for n in names} if c == 0 else {}  # the first configuration's only
+        for n in ids:  # noted now: a call cut short by its time limit keeps them
+            note(f"{n} greedy ids: " + ("same as " + names[0] if n != names[0] and ids[n] == ids[names[0]]
+                                        else ids[n][:60]))
         lines = [f"\nbrisk bench {shlex.join(BENCH[3:] + extra)}",
                  "| variant | decode tok/s, first pass | second pass | greedy token ids (32) |",
                  "| --- | --- | --- | --- |"]
