@@ -15,6 +15,11 @@ of the machine shows. Then each variant decodes 32 tokens greedily with
 variants that change no arithmetic must give the same token ids. Prints a
 table per configuration last. Carry .variants to the device.
 
+Plan the device call's length: on an H200 (8B preset) each bench process
+takes about 35 s, so configurations x variants x 2 passes x 35 s, plus about
+60 s of parallel compiling and 10 s a variant for the greedy ids (four
+configurations of two variants did not fit in 600 s).
+
 Each figure is also appended to $OUT/0-summary.md as it is measured (the
 logs stay in a temporary folder; the device returns only a few files), so a
 run cut short by the time limit keeps what it measured.
