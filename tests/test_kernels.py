@@ -1,7 +1,7 @@
 """The Triton GEMVs (brisklm/kernels/gemv.py), run by Triton's interpreter on
 the CPU: the same kernel source the GPU compiles, checked against an fp64
 reference at SmolLM2's shapes and at ragged ones, and inside a whole quantized
-model against its dequantized weights. (benchmarks/gemv_check.py runs the same
+model against its dequantized weights. (benchmarks/gemv_sweep.py --check runs the same
 comparison on an H200 at the Llama-3.1-8B, Mixtral and SmolLM2 shapes.)
 
 The interpreter is chosen when triton is imported, so these run in a child
