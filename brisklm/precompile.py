@@ -53,13 +53,14 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
     back leaves a marker and a plain compile."""
     broken = path + ".broken"
 
-    def plain():  # the fallback, and what every failure leaves a marker for
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        open(broken, "w").close()
+    def plain(mark=True):  # the fallback, and what every failure leaves a marker for
+        if mark:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(broken, "w").close()
         return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
 
-    if os.environ.get("BRISKLM_PRECOMPILE") == "0":  # opted out: a plain compile, nothing saved or marked
-        return torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
+    if os.environ.get("BRISKLM_PRECOMPILE") == "0":  # opted out: nothing saved or marked
+        return plain(mark=False)
     if os.path.exists(broken):
         return plain()
     loaded = os.path.exists(path)
