@@ -5,7 +5,7 @@ once, so the kernel's whole job is to stream W at the memory's speed and
 spend few instructions per byte. Each program owns BLOCK_N output rows and
 one of SPLIT_K slices of K; it loads 16-byte vectors along K (rows are
 contiguous there), widens them to fp32 and keeps a (BLOCK_N, BLOCK_K) tile of
-running products, reduced once at the end. Weights are loaded evict_first:
+running products, reduced once at the end. Weights (and their scales) are loaded evict_first:
 read once, they should leave L2 before activations and the KV cache. The
 kernels return fp32 partial sums (SPLIT_K, N): the caller's
 `.sum(0) * scale`, and whatever follows, is fused by inductor into the next
@@ -358,7 +358,7 @@ if triton is not None:
             if GROUPED:
                 blocks = (k_start + i) // XB + tl.arange(0, BLOCKS)
                 d *= tl.load(s_ptr + rows[:, None] * (K // XB) + blocks[None, :], mask=row_ok[:, None],
-                             other=0).to(tl.float32)
+                             other=0, eviction_policy="evict_first").to(tl.float32)
             acc += d * (step * (1 / 254))[None, :]
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=row_ok)
 
@@ -388,8 +388,8 @@ if triton is not None:
             w = tl.reshape(w, (BLOCK_N, GROUPS, WPG))
             g = (k_start + i) // GROUP + g_off
             sz = rows[:, None] * n_groups + g[None, :]
-            s = tl.load(s_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
-            z = tl.load(z_ptr + sz, mask=row_ok[:, None], other=0).to(tl.float32)
+            s = tl.load(s_ptr + sz, mask=row_ok[:, None], other=0, eviction_policy="evict_first").to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=row_ok[:, None], other=0, eviction_policy="evict_first").to(tl.float32)
             xf = tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)
             hi, lo, step = _x_planes(tl.reshape(xf, (GROUPS, GROUP)))
             x_sum = tl.sum(hi + lo * (1 / 254), axis=1) * step
