@@ -13,6 +13,8 @@ The result uses quantize.py's int4 format (scale and zero per group of
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .model import build_model
@@ -84,16 +86,19 @@ def gptq_quantize_state_dict(args, state: dict, calibration: list[list[int]], gr
     if not calibration:
         raise ValueError("GPTQ needs calibration sequences of at least 2 tokens")
     dtype = state["tok_embeddings.weight"].dtype
-    # Calibrate in fp32 on a dense copy, one block at a time.
-    dense = build_model(args, {k: v.float() for k, v in state.items()})
+    # The model stands on the checkpoint's own tensors; each block is copied to
+    # fp32 for its calibration and dropped after it (a whole fp32 copy of an 8B
+    # model would be 32 GB). The copy also keeps the caller's tensors unwritten.
+    model = build_model(args, state)
     length = max(len(s) for s in calibration)
-    dense.setup_caches(1, length)
-    xs = [dense.tok_embeddings(torch.tensor([s])) for s in calibration]
+    model.setup_caches(1, length)
+    xs = [model.tok_embeddings(torch.tensor([s])).float() for s in calibration]
     out = dict(state)
-    for i, layer in enumerate(dense.layers):
+    for i in range(args.num_hidden_layers):
+        layer = copy.deepcopy(model.layers[i]).float()
         hessians, hooks = _layer_inputs(layer)
         for x in xs:
-            _run_block(dense, layer, x)
+            _run_block(model, layer, x)
         for h in hooks:
             h.remove()
         for local, hess in hessians.items():
@@ -102,9 +107,10 @@ def gptq_quantize_state_dict(args, state: dict, calibration: list[list[int]], gr
             parts = gptq_int4(out.pop(name), hess, groupsize, dtype)
             out.update({f"{name}_{s}": t for s, t in parts.items()})
             module.weight.copy_(dequantize(parts)[:, :module.weight.shape[1]])  # later layers see it
-        xs = [_run_block(dense, layer, x) for x in xs]
+        xs = [_run_block(model, layer, x) for x in xs]
+        del layer
         if progress:
-            progress(i + 1, len(dense.layers))
+            progress(i + 1, args.num_hidden_layers)
     if args.tie_word_embeddings:
         out["output.weight"] = state["tok_embeddings.weight"]
         args = replace(args, tie_word_embeddings=False)

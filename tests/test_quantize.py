@@ -186,6 +186,21 @@ def test_gptq_beats_rtn_at_the_same_group_size(smollm2_gguf):
     assert gstate.keys() == rstate.keys()  # the same int4 format, loadable alike
 
 
+def test_gptq_leaves_the_callers_weights_unwritten():
+    """GPTQ calibrates each block on an fp32 copy of it, made and dropped one at a
+    time (never a copy of the whole model), and writes the quantized weights
+    into that copy only: a caller's fp32 tensors, whose .float() is themselves,
+    come back as they were."""
+    from brisklm.gptq import gptq_quantize_state_dict
+    args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    state = random_state_dict(args, torch.float32, std=0.1)
+    before = {k: v.clone() for k, v in state.items()}
+    _, out = gptq_quantize_state_dict(args, state, [list(range(1, 17)), list(range(20, 36))], groupsize=32)
+    assert "layers.1.feed_forward.w2.weight_int4" in out
+    assert all(torch.equal(state[k], t) for k, t in before.items())
+
+
 def test_tied_q8_0_codes_count_whole_for_the_output_layer(smollm2_gguf, monkeypatch):
     """Where the Triton GEMV runs, the tied Q8_0 embedding and the output layer
     share their codes: a decode step reads them whole (the output), not one row."""
