@@ -87,7 +87,7 @@ def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="mod
             from .quantize import quantize_state_dict
             log(f"Quantizing to {mode}" + (f" (group {groupsize})" if mode == "int4" else "")
                 + "...", quiet)
-            return quantize_state_dict(args, state, mode, groupsize)
+            return quantize_state_dict(args, state, mode, groupsize, progress)
     except ValueError as e:
         raise BriskError(f"{name}: {e}") from None
     return args, state

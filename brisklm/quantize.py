@@ -119,12 +119,12 @@ def dequantize(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return w.reshape(n, k)
 
 
-def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128):
+def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128, progress=None):
     """Replace the Linear weights of a canonical state dict by quantized entries.
 
     Returns (args, state). A tied output layer is untied first (the embedding
     stays dense, the output GEMV reads the quantized copy): at batch 1 it is
-    one of the largest matrices."""
+    one of the largest matrices. progress(done, total) is called per matrix."""
     from dataclasses import replace
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
@@ -134,23 +134,28 @@ def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128):
     if args.tie_word_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
         args = replace(args, tie_word_embeddings=False)
-    for name in quantized_linear_names(args):
-        if name not in state:  # already quantized (e.g. a GGUF file's int4 blocks)
-            continue
-        w = state.pop(name)
-        # The output layer stays at 8 bits even in int4 mode (as llama.cpp's 4-bit
-        # files keep it at 6-8): at 4 bits it alone raised SmolLM2's KL divergence 10x.
-        if mode == "fp8":
-            parts = quantize_fp8(w)
-        elif mode == "q8_0" and w.shape[1] % 32 == 0:  # GGUF's Q8_0: a scale per 32 inputs
-            parts = quantize_int8(w, 32)
-        elif mode in ("int8", "q8_0") or name == "output.weight":
-            parts = quantize_int8(w)
-        else:
-            parts = quantize_int4(w, groupsize, w.dtype)
-        for suffix, t in parts.items():  # scales and zeros are kept in fp32
-            state[f"{name}_{suffix}"] = t.to(w.device)
+    names = quantized_linear_names(args)
+    for done, name in enumerate(names, 1):
+        if name in state:  # (else already quantized, e.g. a GGUF file's int4 blocks)
+            w = state.pop(name)
+            # scales and zeros are kept in fp32
+            state.update({f"{name}_{s}": t.to(w.device) for s, t in quantize_weight(name, w, mode, groupsize).items()})
+        if progress:
+            progress(done, len(names))
     return args, quantize_embedding(state)
+
+
+def quantize_weight(name: str, w: torch.Tensor, mode: str, groupsize: int) -> dict[str, torch.Tensor]:
+    """The quantized parts of the Linear weight `name` in `mode`."""
+    if mode == "fp8":
+        return quantize_fp8(w)
+    if mode == "q8_0" and w.shape[1] % 32 == 0:  # GGUF's Q8_0: a scale per 32 inputs
+        return quantize_int8(w, 32)
+    # The output layer stays at 8 bits even in int4 mode (as llama.cpp's 4-bit
+    # files keep it at 6-8): at 4 bits it alone raised SmolLM2's KL divergence 10x.
+    if mode in ("int8", "q8_0") or name == "output.weight":
+        return quantize_int8(w)
+    return quantize_int4(w, groupsize, w.dtype)
 
 
 def quantize_embedding(state: dict, groupsize: int = 32) -> dict:
