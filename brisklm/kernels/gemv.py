@@ -5,9 +5,9 @@ once, so the kernel's whole job is to stream W at the memory's speed and
 spend few instructions per byte. Each program owns BLOCK_N output rows and
 one of SPLIT_K slices of K; it loads 16-byte vectors along K (rows are
 contiguous there), widens them to fp32 and keeps a (BLOCK_N, BLOCK_K) tile of
-running products, reduced once at the end. Weights (and their scales) are loaded evict_first:
-read once, they should leave L2 before activations and the KV cache. The
-kernels return fp32 partial sums (SPLIT_K, N): the caller's
+running products, reduced once at the end. Weights, scales and zeros are
+loaded evict_first: read once, they should leave L2 before activations and
+the KV cache. The kernels return fp32 partial sums (SPLIT_K, N): the caller's
 `.sum(0) * scale`, and whatever follows, is fused by inductor into the next
 elementwise kernel instead of a launch of its own.
 
