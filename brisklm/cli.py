@@ -42,7 +42,8 @@ def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--min_p", type=float, default=None)
+    p.add_argument("--min_p", type=float, default=0.05,
+                   help="drop tokens under min_p x the top one's probability (0 = off; llama.cpp's default)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
