@@ -34,12 +34,17 @@ CASES = {
     "int8-g32-dp4a": (gemv._int8_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "XB": 32, "GROUPED": True,
                                                             "INTERPRET": False}),
     "int4-dp4a": (gemv._int4_dp4a_kernel, 32, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False,
-                                                          "W_ALIGN": 16, "S_ALIGN": 16}),  # K = 4096
+                                                          "W_ALIGN": 16, "S_ALIGN": 16, "PACKED": False,
+                                                          "N_SQ": 32}),  # K = 4096
+    "int4-dp4a-packed": (gemv._int4_dp4a_kernel, 16, 1024, 4, {"BLOCK_K": 1024, "GROUP": 128, "INTERPRET": False,
+                                                                "W_ALIGN": 16, "S_ALIGN": 16, "PACKED": True,
+                                                                "N_SQ": 32}),  # x from pack_x, w13's blocks
     "fp8": (gemv._scaled_gemv_kernel, 16, 512, 4, {"BLOCK_K": 512, "EVEN_K": True}),
     "fp8-half": (gemv._fp8_half_kernel, 64, 512, 4, {"BLOCK_K": 512, "INTERPRET": False}),
 }
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "w8_ptr": "*fp8e4nv", "s_ptr": "*bf16", "z_ptr": "*bf16",
-            "out_ptr": "*fp32"}
+            "out_ptr": "*fp32", "lo_ptr": "*i32", "step_ptr": "*fp32", "xsum_ptr": "*fp32", "sq_ptr": "*fp32",
+            "eps": "fp32"}
 
 
 def compile_sm90(kind: str):
@@ -55,6 +60,8 @@ def compile_sm90(kind: str):
                 sig[name] = "*bf16" if kind == "bf16" else "*fp8e4nv"
             elif name == "s_ptr" and kind.startswith("int8"):
                 sig[name] = "*fp16"
+            elif name == "x_ptr" and kind.endswith("packed"):
+                sig[name] = "*i32"
         else:
             sig[name] = "i32"  # N, K, one_bits
     # As Triton's launcher specializes them for torch tensors and these shapes:
@@ -108,7 +115,7 @@ def main():
         ops = loop_opcodes(compiled.asm["sass"])
         total = sum(ops.values())
         per_code = total / (block_n * block_k / (32 * warps))  # one loop pass per thread
-        bytes_per_code = {"bf16": 2, "int4": 0.5, "int4-dp4a": 0.5}.get(kind, 1)
+        bytes_per_code = {"bf16": 2, "int4": 0.5, "int4-dp4a": 0.5, "int4-dp4a-packed": 0.5}.get(kind, 1)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(5))
         print(f"| {kind} | {block_n} x {block_k}, {warps} | {total} | {per_code:.2f} | "
               f"{per_code / bytes_per_code:.2f} | {top} | {weight_load_run(compiled.asm['ttgir'])} |")

@@ -194,9 +194,14 @@ class KVCache(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear, except that one token on a GPU goes through our Triton GEMV
-    for the shapes where it measured faster than cuBLAS (kernels/gemv.py)."""
+    for the shapes where it measured faster than cuBLAS (kernels/gemv.py).
 
-    def forward(self, x):
+    Every Linear module here takes the RMSNorm before it, if any, as `norm` and
+    returns W norm(x): the int4 GEMV applies it itself (gemv.pack_x), without a
+    kernel between two GEMVs that reduces over all of x; the rest apply it first."""
+
+    def forward(self, x, norm=None):
+        x = x if norm is None else norm(x)
         if x.is_cuda and x.numel() == self.in_features and gemv.available(x.device) \
                 and gemv.beats_dense(self.out_features, self.in_features):
             y = gemv.scaled_gemv(x.reshape(-1), self.weight).sum(0).to(x.dtype)
@@ -216,10 +221,10 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.window = args.sliding_window
 
-    def forward(self, x, cos, sin, mask, input_pos):
+    def forward(self, x, cos, sin, mask, input_pos, norm=None):
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        qkv = self.wqkv(x)
+        qkv = self.wqkv(x, norm)
         if attention_kernel.supported(x.device, B, T, self.head_dim):  # one token on a GPU
             return self.wo(self.kv_cache.decode_attention(qkv, cos, sin, input_pos, self.window))
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -246,8 +251,8 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x, norm=None):
+        gate, up = self.w13(x, norm).split(self.intermediate_size, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -260,8 +265,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, mask, input_pos):
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # each norm goes to the Linear after it (see Linear)
+        h = x + self.attention(x, cos, sin, mask, input_pos, self.attention_norm)
+        return h + self.feed_forward(h, self.ffn_norm)
 
 
 class Transformer(nn.Module):
@@ -316,7 +322,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, input_pos)
         if last_only:
             x = x[:, -1:]
-        return self.output(self.norm(x)).float()
+        return self.output(x, self.norm).float()
 
 
 def visible(q_pos, k_pos, window: int | None = None):

@@ -192,7 +192,8 @@ class ScaledWeightOnlyLinear(nn.Module):
         self.register_buffer("scale", scale.to(dtype))
         self.bias = bias
 
-    def forward(self, x):
+    def forward(self, x, norm=None):  # norm: the RMSNorm before this Linear (model.Linear)
+        x = x if norm is None else norm(x)
         one_token = x.numel() == self.in_features
         if one_token and gemv.available(x.device):
             partials = gemv.scaled_gemv(x.reshape(-1), self.weight)
@@ -236,7 +237,8 @@ class GroupedInt8Linear(nn.Module):
             self.register_buffer("weight", weight)
             self.register_buffer("scale", scale.to(torch.float16))  # Q8_0's own precision
 
-    def forward(self, x):
+    def forward(self, x, norm=None):  # norm: the RMSNorm before this Linear (model.Linear)
+        x = x if norm is None else norm(x)
         if x.numel() == self.in_features:  # one token: the codes read as stored
             if self.grouped and torch.compiler.is_compiling() and self.out_features <= FUSED_ROWS:
                 y = self.fused_one_token(x.reshape(-1))
@@ -303,13 +305,16 @@ class Int4WeightOnlyLinear(nn.Module):
         w = (codes.to(dtype) - 8) * self.scale[..., None] + self.zero[..., None]
         return w.reshape(self.out_features, -1)[:, :self.in_features]
 
-    def forward(self, x):
+    def forward(self, x, norm=None):  # norm: the RMSNorm before this Linear (model.Linear)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.keep_codes and x.shape[0] == 1 and gemv.available(x.device):
+        one_token = self.keep_codes and x.shape[0] == 1 and gemv.available(x.device)
+        if norm is not None and not (one_token and self.padded == self.in_features):
+            x, norm = norm(x), None  # else the GEMV applies it (gemv.pack_x)
+        if one_token:
             if self.padded != self.in_features:
                 x = F.pad(x, (0, self.padded - self.in_features))
-            y = gemv.int4_gemv(x.reshape(-1), self.packed, self.scale, self.zero).sum(0).to(x.dtype)
+            y = gemv.int4_gemv(x.reshape(-1), self.packed, self.scale, self.zero, norm).sum(0).to(x.dtype)
         elif self.keep_codes:
             y = F.linear(x, self.dense_weight(x.dtype))
         else:

@@ -218,6 +218,10 @@ cases = [(gemv._scaled_gemv_op, (x, w16, list(gemv.scaled_config(w16)))),
          (gemv._grouped_gemv_op, (x, q4["int4"], scale, zero, list(gemv.grouped_config(q4["int4"], scale))))]
 cases.append((gemv._int8_dp4a_op, (x, w8, list(gemv.int8_dp4a_config(w8)))))
 cases.append((gemv._int4_dp4a_op, (x, q4["int4"], scale, zero, list(gemv.int4_dp4a_config(q4["int4"], scale)))))
+hi, lo, step, x_sum, squares = gemv.pack_x(x, 32, torch.rand(64) + 0.5)
+for sq in (squares, None):  # x times an RMSNorm's weight, and x alone
+    cases.append((gemv._int4_packed_op, (hi, lo, step, x_sum, sq, 1e-5, q4["int4"], scale, zero,
+                                         list(gemv.int4_dp4a_config(q4["int4"], scale)))))
 q8 = quantize_int8(w, 32)  # GGUF Q8_0: a scale per 32 inputs
 cases.append((gemv._int8_group_dp4a_op, (x, q8["int8"], q8["scale"].half(), list(gemv.config("8gd", 40, 64, 32)))))
 wf8 = quantize_fp8(w)["fp8"]
@@ -242,7 +246,7 @@ print("ops ok", len(cases) + 1)
 
 
 def test_custom_ops_fake_implementations_and_schemas():
-    assert "ops ok 9" in run_interpreted(OPS_CHILD)
+    assert "ops ok 11" in run_interpreted(OPS_CHILD)
 
 
 def test_gemv_blocks_are_a_constant_of_the_traced_graph():
@@ -422,6 +426,72 @@ for scale in (1e-6, 1.0, 3e4):
         assert err <= 1 / (2 * gemv.X_LO) + 1e-5, ("int4", group, scale, err)
 print("represented ok")
 """
+
+
+NORM_CHILD = r"""
+import torch
+from brisklm.kernels import gemv
+from brisklm.model import ModelArgs, RMSNorm, build_model, random_state_dict
+from brisklm.quantize import dequantize, quantize_int4, quantize_state_dict, quantized_entries
+# The int4 GEMV given the RMSNorm before it (gemv.pack_x): W norm(x) against
+# fp64, at SmolLM2's wqkv and w2 shapes (576 inputs: 18 groups of 32, a
+# partial block of sums of squares) and a Llama-3.1-8B-like 4096; against
+# the same GEMV of norm(x) rounded to bf16, the path it replaces.
+torch.manual_seed(0)
+worst = 0.0
+for n, k in ((960, 576), (576, 1536), (64, 4096)):
+    w = torch.randn(n, k) * 0.02
+    norm = RMSNorm(k, 1e-5).to(torch.bfloat16)  # as in a bf16 model
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k) + 0.5)
+    for scale in (1e-3, 1.0, 40.0):
+        x = (torch.randn(k) * scale).to(torch.bfloat16)
+        xd = x.double()
+        normed = xd * torch.rsqrt(xd.square().mean() + norm.eps) * norm.weight.double()
+        for group in (32, 64, 128):
+            if k % group:
+                continue
+            parts = quantize_int4(w, group, torch.bfloat16)
+            s, z = parts["scale"].bfloat16(), parts["zero"].bfloat16()
+            ref = dequantize(parts).double() @ normed
+            error = lambda y: ((y.sum(0).double() - ref).norm() / ref.norm()).item()  # noqa: E731
+            folded, rounded = error(gemv.int4_gemv(x, parts["int4"], s, z, norm)), \
+                error(gemv.int4_gemv(norm(x), parts["int4"], s, z))
+            # x's planes hold x g within step / 508 a group; with the group sums
+            # of x g itself (pack_x) that error counts up to ~2.7x. bf16's two
+            # roundings of norm(x) cost more than ten times that.
+            assert folded < 3e-4 and folded < rounded / 5, (n, k, scale, group, folded, rounded)
+            worst = max(worst, folded)
+# A bf16 int4 model decoding one token through the kernels, every norm folded
+# into the GEMV after it (the output layer is int8: the norm applied first),
+# against the same model dequantized.
+args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+qargs, qstate = quantize_state_dict(args, random_state_dict(args, torch.float32, std=0.1), "int4", 32)
+qstate = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in qstate.items()}
+dense = {}
+for n, t in qstate.items():
+    base, _, suffix = n.rpartition("_")
+    if suffix in ("int4", "int8"):
+        dense[base] = dequantize(quantized_entries(qstate, base)).to(torch.bfloat16)
+    elif suffix not in ("scale", "zero"):
+        dense[n] = t
+models = [build_model(qargs, qstate), build_model(qargs, dense)]
+assert any(getattr(m, "keep_codes", False) for m in models[0].modules())
+for m in models:
+    m.setup_caches(1, 16)
+with torch.no_grad():
+    logits = [m(torch.tensor([[3]]), torch.tensor([0]), kv_len=1) for m in models]
+assert logits[0].dtype == torch.float32
+err = ((logits[0] - logits[1]).norm() / logits[1].norm()).item()
+assert err < 2e-2, err  # bf16 activations, two layers
+print("norm ok", worst)
+"""
+
+
+def test_int4_gemv_applies_the_norm_before_it():
+    """The norm's weight folded into x's planes, its 1/rms into the sums."""
+    assert "norm ok" in run_interpreted(NORM_CHILD)
 
 
 def test_dp4a_kernels_represent_x_within_their_bound():
