@@ -27,7 +27,9 @@ _int4_dp4a_kernel): each program turns its
 slice of x into two int8 planes per block of inputs (_x_planes), and each
 instruction sums four exact integer products: about 2 instructions a code
 against 4.3-4.9 (sm_90 SASS, benchmarks/gemv_sass.py), for an error from x's
-representation within 1.6e-5 of each block's largest |x|. fp8 e4m3 codes
+representation within 1.6e-5 of each block's largest |x|. After an RMSNorm,
+the int4 kernel reads the planes made once instead, with the norm folded in
+(pack_x; 1.9 instructions a code against 3.0 making them). fp8 e4m3 codes
 with a half x go through fp16x2 arithmetic (_fp8_half_kernel, sm_89+): one
 conversion turns two codes into fp16 exactly, one fused multiply-add takes
 two products, and runs of 16 products are summed in fp16 before fp32 (1.7
