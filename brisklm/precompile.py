@@ -8,6 +8,7 @@ are saved too (torch.compiler.save_cache_artifacts) and loaded back
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -16,16 +17,33 @@ import shutil
 import torch
 
 
+@functools.cache
+def source_digest() -> str:
+    """A digest of this package's Python source: a traced step skips our code,
+    so one saved by another version of it must not be loaded."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
 def artifacts_path(model, options: dict, step: str = "decode") -> str:
     """Where the compiled `step` ("decode" or "prefill") of this model (shapes,
-    dtypes, options, torch version) is saved: in the compiler's cache folder,
-    so a cold start, with that folder empty, has none."""
+    dtypes, options, torch version, our source) is saved: in the compiler's
+    cache folder, so a cold start, with that folder empty, has none."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]]
     device = model.rope_cos.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     from .kernels import gemv  # its tuned blocks are constants of the traced step
-    what = repr((torch.__version__, model.args, tensors, sorted(options.items()), where, gemv.tuned()))
+    what = repr((torch.__version__, source_digest(), model.args, tensors, sorted(options.items()), where,
+                 gemv.tuned()))
     return os.path.join(cache_dir(), "brisklm", f"{step}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
 
 

@@ -274,3 +274,38 @@ def test_a_step_traced_under_other_constants_is_not_loaded_back(tmp_path):
     assert run("2") == "[2.0, 2.0, 2.0]"  # loaded back from its own file
     assert run("5", BRISKLM_PRECOMPILE="0") == "[5.0, 5.0, 5.0]"  # opted out: nothing saved
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2.bin", "step-3.bin"]
+
+
+def test_a_step_saved_by_other_source_code_is_not_loaded_back(tmp_path, monkeypatch):
+    """A saved step was traced through our Python code, which it skips when
+    loaded: its file is keyed by a digest of the package's source, so another
+    version of the code (an edit, an upgrade) compiles and saves its own."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import brisklm
+
+    def digest(root):
+        code = "from brisklm.precompile import source_digest; print(source_digest())"
+        done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(root)), cwd=root,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    package = os.path.dirname(brisklm.__file__)
+    for copy in ("a", "b"):
+        shutil.copytree(package, tmp_path / copy / "brisklm", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "b" / "brisklm" / "model.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert digest(tmp_path / "a") == digest(tmp_path / "a")
+    assert digest(tmp_path / "a") != digest(tmp_path / "b")
+    from brisklm import precompile
+    args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2)
+    model = build_model(args, random_state_dict(args, torch.float32))
+    model.setup_caches(1, 16)
+    path = precompile.artifacts_path(model, {})
+    monkeypatch.setattr(precompile, "source_digest", lambda: "another version")
+    assert precompile.artifacts_path(model, {}) != path
