@@ -1,4 +1,11 @@
-"""How many kernels inductor makes of a residual add + RMSNorm-weighted pack of x (variants of gemv.pack_x)."""
+"""How many kernels inductor makes of a residual add and an RMSNorm-weighted
+pack of x (forms of gemv.pack_x), compiled alone, under several options.
+
+    PYTHONPATH=. python3 benchmarks/pack_fusion.py   # on a CUDA device
+
+In the decode step, the pack with represented group sums was split (2026-11-30,
+tenth session, benchmarks/RESULTS.md); alone, every form here compiles to one
+kernel, so the split comes from the graph around it."""
 import torch
 from torch._inductor.utils import run_and_get_code
 
