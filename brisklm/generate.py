@@ -22,6 +22,7 @@ import torch
 from .kernels import attention as attention_kernel
 from .model import Transformer, causal_block_mask, decode_block_mask
 from .precompile import artifacts_path, precompiled
+from .quantize import GroupedInt8Linear
 from .sampling import SamplingParams, sample
 
 
@@ -122,6 +123,9 @@ class Generator:
             # while their predecessor finishes (programmatic dependent launch,
             # Hopper and later: +2.5% bf16, +3.6% int8 decode on an H200).
             cuda = self.device.type == "cuda"
+            for module in model.modules():  # on CPUs: Q8_0 codes in the layout the compiled step reads fastest
+                if isinstance(module, GroupedInt8Linear):
+                    module.rows_last()
             options = {"triton.cudagraphs": cuda, "triton.enable_pdl": cuda,
                        "inductor_choices_class": OnePassReductions, **(compile_options or {})}
             if self.block_mask is None:  # (flex attention's guards do not load back: no precompile with it)

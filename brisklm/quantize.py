@@ -208,27 +208,37 @@ class ScaledWeightOnlyLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-FUSED_ROWS = 16384  # GroupedInt8Linear on CPUs: measured at 576-3072 rows (fused faster) and 49152 (slower)
+@torch.library.custom_op("brisklm::as_buffer", mutates_args=())
+def as_buffer(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x that the compiler cannot see through: x is computed once,
+    not again inside every loop that reads it."""
+    return x.clone()
+
+
+as_buffer.register_fake(lambda x: torch.empty_like(x))
 
 
 class GroupedInt8Linear(nn.Module):
     """int8 weights with a scale per group of inputs: GGUF Q8_0 blocks (groups
     of 32, fp16 scales) kept as they are. Where the Triton GEMV runs they are
-    read as stored; elsewhere (CPUs) regrouped at load as (K/G, N, G), so that
-    aten's int8 matmul, whose scales are per output row, runs once per group
-    for one token (on 2 CPU cores: 2.3 ms against 3.3 ms for the dense bf16
-    matrix at SmolLM2's 49152x576 output layer, but 3-7x slower at its layers'
-    sizes). In a compiled step, matrices of up to FUSED_ROWS rows (the layers)
-    are one expression instead, which inductor makes one loop: SmolLM2 in mode
-    q8_0 decodes at 41-45 tokens/s against 19-24 group by group (the output
-    layer that way was slower). Several tokens multiply the dequantized
-    matrix: 0.2 s against 4 s for 256 tokens at that output layer."""
+    read as stored. Elsewhere (CPUs) they are regrouped at load as (K/G, N, G),
+    so that aten's int8 matmul, whose scales are per output row, runs once per
+    group for one token. A compiled decode step takes them as (K/G, G, N)
+    instead (`rows_last`, which the Generator calls): one expression, which
+    inductor compiles into one loop with the rows along the vector lanes. On 2
+    CPU cores, at SmolLM2's 49152x576 output layer alone: 1.3-1.7 ms against
+    2.8 ms group by group and 2.3 ms as one expression over (K/G, N, G) (whose
+    sums of 32 inputs run across the lanes); in the compiled step 2.1 against
+    3.4-3.8 ms, and the bundled GGUF decodes 15-20% faster. Several
+    tokens multiply the dequantized matrix: 0.2 s against 4 s for 256 tokens
+    at that output layer."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias=None, dtype=torch.float32):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.grouped = not gemv.available(weight.device)
+        self.is_rows_last = False
         if self.grouped:
             g = self.in_features // scale.shape[1]
             self.register_buffer("groups", weight.view(self.out_features, -1, g).transpose(0, 1).contiguous())
@@ -237,12 +247,18 @@ class GroupedInt8Linear(nn.Module):
             self.register_buffer("weight", weight)
             self.register_buffer("scale", scale.to(torch.float16))  # Q8_0's own precision
 
+    def rows_last(self):
+        """Regroup the codes as (K/G, G, N), the layout a compiled step reads fastest."""
+        if self.grouped and not self.is_rows_last:
+            self.groups = self.groups.transpose(1, 2).contiguous()
+            self.is_rows_last = True
+
     def forward(self, x, norm=None):  # norm: the RMSNorm before this Linear (model.Linear)
+        if self.is_rows_last and x.numel() == self.in_features:
+            return self.rows_last_one_token(x, norm)
         x = x if norm is None else norm(x)
         if x.numel() == self.in_features:  # one token: the codes read as stored
-            if self.grouped and torch.compiler.is_compiling() and self.out_features <= FUSED_ROWS:
-                y = self.fused_one_token(x.reshape(-1))
-            elif self.grouped:
+            if self.grouped:
                 y = self.group_by_group(x.reshape(1, -1))
             else:
                 y = gemv.int8_group_gemv(x.reshape(-1), self.weight, self.scale).sum(0)
@@ -252,19 +268,31 @@ class GroupedInt8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dequantized(self, dtype) -> torch.Tensor:
-        if self.grouped:  # codes back from (K/G, N, G) to (N, K)
-            return dequantize_grouped(self.groups.transpose(0, 1).flatten(1), self.group_scales.t(), dtype)
+        if self.grouped:  # codes back to (N, K)
+            codes = self.groups.permute(2, 0, 1) if self.is_rows_last else self.groups.transpose(0, 1)
+            return dequantize_grouped(codes.flatten(1), self.group_scales.t(), dtype)
         return dequantize_grouped(self.weight, self.scale, dtype)
 
-    def fused_one_token(self, x):
-        """x (K,) times the weights as one expression, which inductor compiles
-        into one loop reading each code once."""
-        n_groups, _, g = self.groups.shape
-        partial = (self.groups * x.float().view(n_groups, 1, g)).sum(-1)  # (K/G, N)
-        return (partial * self.group_scales.float()).sum(0)
+    def rows_last_one_token(self, x, norm=None):
+        """One token x (..., K) times the (K/G, G, N) codes, or times norm(x),
+        as one expression that inductor compiles into a loop reading each code
+        once. The norm's weight goes into x and its 1/rms onto the sums, and x
+        enters as a buffer (as_buffer): inlined, the residual adds and the norm
+        before it ran again for every 32 rows (3.4 against 2.1 ms a token at
+        SmolLM2's output layer, 2 cores)."""
+        n_groups, g, _ = self.groups.shape
+        v = xf = x.float().reshape(-1)
+        if norm is not None:
+            v = xf * norm.weight.float()
+        partial = (self.groups * as_buffer(v).view(n_groups, g, 1)).sum(1)  # (K/G, N)
+        y = (partial * self.group_scales.float()).sum(0)
+        if norm is not None:
+            y = y * torch.rsqrt(xf.square().mean() + norm.eps)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def group_by_group(self, x):
-        """x (M, K) times the weights, summed over the groups in fp32."""
+        """x (M, K) times the (K/G, N, G) codes, summed over the groups in fp32."""
         n_groups, _, g = self.groups.shape
         xs = x.to(self.group_scales.dtype).view(-1, n_groups, g).transpose(0, 1).contiguous()  # one copy
         y = 0

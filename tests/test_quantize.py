@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from brisklm.checkpoints import load
 from brisklm.checkpoints.native import save_native
 from brisklm.evaluate import default_text, perplexity_and_kl
-from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.model import ModelArgs, RMSNorm, build_model, random_state_dict
 from brisklm.quantize import (dequantize, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
                               quantize_state_dict, quantized_entries, quantized_linear,
                               unpack_int4)
@@ -48,8 +48,13 @@ def test_grouped_int8_linear_computes_with_the_dequantized_weight(m):
     assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4)
     step = w.reshape(96, 8, 32).abs().amax(-1, keepdim=True) / 127
     assert ((dequantize(parts) - w).reshape(96, 8, 32).abs() <= step / 2 + 1e-6).all()
-    if m == 1:  # the expression a compiled step uses instead (up to FUSED_ROWS rows)
-        assert torch.allclose(layer.fused_one_token(x.reshape(-1)), expected.reshape(-1), rtol=1e-5, atol=1e-4)
+    layer.rows_last()  # the layout a compiled step on a CPU reads
+    assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer.dequantized(torch.float32), dequantize(parts))
+    norm = RMSNorm(256, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(256) + 0.5)
+    assert torch.allclose(layer(x, norm), F.linear(norm(x), dequantize(parts)), rtol=1e-5, atol=1e-4)
 
 
 def test_int4_error_is_within_half_a_step_of_each_group():
