@@ -256,8 +256,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
                                keep_gguf_blocks=quantize in ("gguf", "auto"))
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
     args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
-    if quantize == "q8_0" and torch.device(device).type == "cpu":
-        log("Note: q8_0 is slower than int8 on CPUs (about 0.7x compiled, group by group eager)", quiet)
+    if quantize == "q8_0" and torch.device(device).type == "cpu" and not compile:
+        log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", quiet)
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
