@@ -50,6 +50,8 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "w8_ptr": "*fp8e4nv", "s_ptr": "*
 def compile_sm90(kind: str):
     fn, block_n, block_k, warps, extra = CASES[kind]
     const = {"K_PER_SPLIT": 64 * block_k, "BLOCK_N": block_n, "PDL": True, **extra}  # a loop, not unrolled
+    if "N_SQ" in fn.arg_names:
+        const.setdefault("N_SQ", 0)  # no norm folded in
     sig = {}
     for name in fn.arg_names:  # in the kernel's order
         if name in const:
@@ -63,7 +65,7 @@ def compile_sm90(kind: str):
             elif name == "x_ptr" and kind.endswith("packed"):
                 sig[name] = "*i32"
         else:
-            sig[name] = "i32"  # N, K, one_bits
+            sig[name] = "i32"  # N, K, one_bits, n_sq
     # As Triton's launcher specializes them for torch tensors and these shapes:
     # pointers and N, K divisible by 16 (this is what lets loads be vectorized).
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]

@@ -197,17 +197,17 @@ class Linear(nn.Linear):
     for the shapes where it measured faster than cuBLAS (kernels/gemv.py).
 
     Every Linear module here takes the RMSNorm before it, if any, as `norm` and
-    returns W norm(x): the int4 GEMV applies it itself (gemv.pack_x), without a
-    kernel between two GEMVs that reduces over all of x; the rest apply it first."""
+    returns W norm(x): the int4 and bf16 GEMVs apply its 1/rms to their sums
+    (gemv.pack_x, gemv.norm_parts), without a kernel between two GEMVs that
+    reduces over all of x; the other paths apply it first."""
 
     def forward(self, x, norm=None):
-        x = x if norm is None else norm(x)
         if x.is_cuda and x.numel() == self.in_features and gemv.available(x.device) \
                 and gemv.beats_dense(self.out_features, self.in_features):
-            y = gemv.scaled_gemv(x.reshape(-1), self.weight).sum(0).to(x.dtype)
+            y = gemv.scaled_gemv(x.reshape(-1), self.weight, norm).sum(0).to(x.dtype)
             y = y.reshape(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        return super().forward(x)
+        return super().forward(x if norm is None else norm(x))
 
 
 class Attention(nn.Module):
