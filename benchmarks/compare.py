@@ -1,6 +1,7 @@
 """Decode speed of several git revisions side by side, in one device call.
 
     python3 benchmarks/compare.py prepare main my-branch ...   # here: a copy of each under .variants/
+    python3 benchmarks/compare.py prepare main main:main-2     # REV:NAME, a second copy of one revision
     python3 benchmarks/compare.py run [--only a,b] [--sweep int8] [-- --quantize int8 ...]   # on the GPU
     python3 benchmarks/compare.py run --each '--quantize int8' --each '--quantize int4'   # several configurations
 
@@ -19,6 +20,10 @@ Plan the device call's length: on an H200 (8B preset) each bench process
 takes about 35 s, so configurations x variants x 2 passes x 35 s, plus about
 60 s of parallel compiling and 10 s a variant for the greedy ids (four
 configurations of two variants did not fit in 600 s).
+
+With --picks, $OUT/1-picks.md lists the block sizes inductor kept for each
+kernel it timed at the first run, per variant: to tell which picks make a
+fast compile (prepare several copies of one revision under other names).
 
 Each figure is also appended to $OUT/0-summary.md as it is measured (the
 logs stay in a temporary folder; the device returns only a few files), so a
@@ -60,7 +65,8 @@ def merge_tuned(ours: str, theirs: str):
 def prepare(refs: list[str]):
     os.makedirs(VARIANTS, exist_ok=True)
     for ref in refs:
-        dest = os.path.join(VARIANTS, ref.replace("/", "_"))
+        ref, _, name = ref.partition(":")  # REV:NAME, e.g. main:main-2 for a second copy of main
+        dest = os.path.join(VARIANTS, (name or ref).replace("/", "_"))
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
         archive = subprocess.run(["git", "-C", ROOT, "archive", ref], check=True, capture_output=True).stdout
@@ -108,12 +114,37 @@ def token_ids(name: str, extra: list[str]) -> str:
 
 
 def decode_rate(log: str) -> str:
+    """tokens/s, with the fraction of the read ceiling measured in the same process."""
     text = open(log).read()
     m = re.search(r"decode tokens/s [^|]*\| ([\d.]+)", text)
-    return m.group(1) if m else "failed: " + text.strip().splitlines()[-1][:80]
+    if not m:
+        return "failed: " + text.strip().splitlines()[-1][:80]
+    f = re.search(r"fraction of the read ceiling \| ([\d.]+)", text)
+    return m.group(1) + (f" ({f.group(1)})" if f else "")
 
 
-def run(configs: list[list[str]], only: str | None = None, sweep: str | None = None):
+def autotune_picks(name: str) -> list[str]:
+    """The block sizes inductor kept for each kernel it timed at the first run
+    (the .best_config files of the variant's compiler cache): the int4 step's
+    speed depends on those picks (RESULTS.md, 2026-12-01)."""
+    cache = in_variant(name)["env"]["TORCHINDUCTOR_CACHE_DIR"]
+    rows = []
+    for folder, _, files in os.walk(cache):
+        for f in files:
+            if not f.endswith(".best_config"):
+                continue
+            with open(os.path.join(folder, f)) as fh:
+                pick = json.load(fh)
+            source = os.path.join(folder, f[:-len(".best_config")] + ".py")
+            text = open(source).read() if os.path.exists(source) else ""
+            kernel = re.search(r"def (triton_\w+)\(", text)
+            hints = re.search(r"size_hints=(\{[^}]*\})", text)
+            blocks = ", ".join(f"{k} {v}" for k, v in sorted(pick.items()) if k.isupper() or k == "num_warps")
+            rows.append(f"| {kernel.group(1) if kernel else f} | {hints.group(1) if hints else ''} | {blocks} |")
+    return sorted(rows)
+
+
+def run(configs: list[list[str]], only: str | None = None, sweep: str | None = None, picks: bool = False):
     """configs: one list of extra `brisk bench` arguments per configuration
     (e.g. int8, then int4), each benched for every variant."""
     names = sorted(n for n in os.listdir(VARIANTS) if os.path.isdir(os.path.join(VARIANTS, n))) \
@@ -157,7 +188,8 @@ def run(configs: list[list[str]], only: str | None = None, sweep: str | None = N
             note(f"{n} greedy ids: " + ("same as " + names[0] if n != names[0] and ids[n] == ids[names[0]]
                                         else ids[n][:60]))
         lines = [f"\nbrisk bench {shlex.join(BENCH[3:] + extra)}",
-                 "| variant | decode tok/s, first pass | second pass | greedy token ids (32) |",
+                 "| variant | decode tok/s (fraction of the read ceiling), first pass | second pass "
+                 "| greedy token ids (32) |",
                  "| --- | --- | --- | --- |"]
         for n in names:
             got = ids.get(n, "(not run)")
@@ -165,6 +197,11 @@ def run(configs: list[list[str]], only: str | None = None, sweep: str | None = N
             lines.append(f"| {n} | {' | '.join(rates[n])} | {'same as ' + names[0] if ok else got[:60]} |")
         tables.append("\n".join(lines))
     note(f"\n{time.time() - t0:.0f} s in all" + "".join(tables))
+    if picks:
+        with open(os.path.join(os.environ.get("OUT", out), "1-picks.md"), "w") as f:
+            for n in names:
+                f.write(f"\n## {n}\n\n| kernel | size hints | kept |\n| --- | --- | --- |\n")
+                f.write("\n".join(autotune_picks(n)) + "\n")
 
 
 def main():
@@ -173,6 +210,8 @@ def main():
     ap.add_argument("args", nargs="*", help="prepare: git revisions; run (after --): more `brisk bench` arguments")
     ap.add_argument("--only", help="run: the variants to bench, comma-separated, the reference first (default: all)")
     ap.add_argument("--sweep", help="run: gemv_sweep.py these kinds (e.g. int8,int4-g128) in each variant first")
+    ap.add_argument("--picks", action="store_true",
+                    help="run: write each variant's autotuned kernel blocks (inductor's .best_config) to 1-picks.md")
     ap.add_argument("--each", action="append", metavar="ARGS",
                     help="run: one configuration's `brisk bench` arguments, quoted (repeat for several, e.g. "
                          "--each '--quantize int8' --each '--quantize int4'); default: the arguments after --")
@@ -180,7 +219,7 @@ def main():
     if args.command == "prepare":
         prepare(args.args)
     else:
-        run([shlex.split(e) for e in args.each] if args.each else [args.args], args.only, args.sweep)
+        run([shlex.split(e) for e in args.each] if args.each else [args.args], args.only, args.sweep, args.picks)
 
 
 if __name__ == "__main__":
