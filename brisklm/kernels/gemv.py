@@ -30,8 +30,8 @@ against 4.3-4.9 (sm_90 SASS, benchmarks/gemv_sass.py), for an error from x's
 representation within 1.6e-5 of each block's largest |x|. After an RMSNorm,
 the int4 kernel reads the planes made once instead, with the norm folded in
 (pack_x; 1.9 instructions a code against 3.0 making them); the bf16 kernel
-reads x times the norm's weight and applies the norm's 1/rms (norm_parts). fp8 e4m3 codes
-with a half x go through fp16x2 arithmetic (_fp8_half_kernel, sm_89+): one
+reads x times the norm's weight and applies the norm's 1/rms (norm_parts).
+fp8 e4m3 codes with a half x go through fp16x2 arithmetic (_fp8_half_kernel, sm_89+): one
 conversion turns two codes into fp16 exactly, one fused multiply-add takes
 two products, and runs of 16 products are summed in fp16 before fp32 (1.7
 instructions a code against 3.5); x is scaled by a power of two so those
@@ -542,7 +542,7 @@ def grouped_config(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, 
 
 
 def _launch_scaled(x, w, squares, eps, cfg, launch):
-    """squares, eps: an RMSNorm folded in (norm_parts; half-precision weights only), or None."""
+    """squares, eps: an RMSNorm folded in (norm_parts; bf16 weights only), or None."""
     n, k = w.shape
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
