@@ -280,11 +280,17 @@ class GroupedInt8Linear(nn.Module):
         enters as a buffer (as_buffer): inlined, the residual adds and the norm
         before it ran again for every 32 rows (3.4 against 2.1 ms a token at
         SmolLM2's output layer, 2 cores)."""
-        n_groups, g, _ = self.groups.shape
+        n_groups, g, n = self.groups.shape
         v = x.reshape(-1) if norm is None else x.reshape(-1).float() * norm.weight.float()
-        # (as_buffer before any conversion: CPU flex attention, wo's input, takes no fused epilogue)
-        partial = (self.groups * as_buffer(v).float().view(n_groups, g, 1)).sum(1)  # (K/G, N)
-        y = (partial * self.group_scales.float()).sum(0)
+        if torch.compiler.is_compiling():
+            # (as_buffer before any conversion: CPU flex attention, wo's input, takes no fused epilogue)
+            partial = (self.groups * as_buffer(v).float().view(n_groups, g, 1)).sum(1)  # (K/G, N)
+            y = (partial * self.group_scales.float()).sum(0)
+        else:  # eager (a compiled model's prefill, for its last position): slices of 1024 rows, whose
+            # temporaries stay in cache (6 against 56 ms for the whole expression at that output layer)
+            vg = v.float().view(n_groups, 1, g)
+            y = torch.cat([(torch.bmm(vg, self.groups[:, :, i:i + 1024].float()).squeeze(1)
+                            * self.group_scales[:, i:i + 1024].float()).sum(0) for i in range(0, n, 1024)])
         if norm is not None:
             y = y * torch.rsqrt(x.float().square().mean() + norm.eps)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

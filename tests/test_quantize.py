@@ -57,6 +57,17 @@ def test_grouped_int8_linear_computes_with_the_dequantized_weight(m):
     assert torch.allclose(layer(x, norm), F.linear(norm(x), dequantize(parts)), rtol=1e-5, atol=1e-4)
 
 
+def test_grouped_int8_rows_last_one_token_runs_in_slices_of_rows():
+    """Eagerly (a compiled model's prefill), one token against the rows-last
+    codes goes through slices of 1024 rows: three here, the last ragged."""
+    torch.manual_seed(0)
+    parts = quantize_int8(torch.randn(2100, 64), 32)
+    layer = quantized_linear(parts, 64, torch.float32)
+    layer.rows_last()
+    x = torch.randn(1, 1, 64)
+    assert torch.allclose(layer(x), F.linear(x, dequantize(parts)), rtol=1e-5, atol=1e-4)
+
+
 def test_int4_error_is_within_half_a_step_of_each_group():
     w = torch.randn(8, 128)
     parts = quantize_int4(w, 32)
