@@ -638,6 +638,14 @@ def _launch_int4_packed(hi, lo, step, x_sum, squares, eps, codes, scale, zero, c
     return _launch_int4_dp4a(hi, codes, scale, zero, cfg, launch, (lo, step, x_sum, squares), eps)
 
 
+def _norm_input(x: torch.Tensor, norm_weight: torch.Tensor, group: int):
+    """An RMSNorm's input x (K,) as a GEMV after it takes it: x g in fp32, in
+    groups of `group` inputs, and the sum of squares of x per group (from
+    which the GEMV applies the norm's 1/rms to its sums)."""
+    xf = x.float().reshape(-1, group)
+    return xf * norm_weight.float().reshape(-1, group), xf.square().sum(1)
+
+
 def pack_x(x: torch.Tensor, group: int, norm_weight: torch.Tensor):
     """An RMSNorm's input x (K,) and weight g as the int4 dp4a GEMV after the
     norm reads them, in torch ops that inductor compiles into one kernel with
@@ -654,13 +662,12 @@ def pack_x(x: torch.Tensor, group: int, norm_weight: torch.Tensor):
     value's: that kept inductor to one kernel (and int4 decode at 576 against
     566 tokens/s), for an error up to 2.7x the representation's, far under
     bf16's rounding of norm(x) that it replaces (see the test)."""
-    xf = x.float().reshape(-1, group)
-    v = xf * norm_weight.float().reshape(-1, group)
+    v, squares = _norm_input(x, norm_weight, group)
     step = v.abs().amax(1, keepdim=True).clamp(min=1e-30) * (1 / 127)
     inv = 1 / step
     hi = torch.floor(v * inv + 0.5)
     lo = torch.floor((v - hi * step) * (X_LO * inv) + 0.5)
-    return hi.to(torch.int8), lo.to(torch.int8), step.reshape(-1), v.sum(1), xf.square().sum(1)
+    return hi.to(torch.int8), lo.to(torch.int8), step.reshape(-1), v.sum(1), squares
 
 
 def int8_dp4a_config(w: torch.Tensor) -> tuple[int, int, int, int]:
@@ -769,9 +776,8 @@ def norm_parts(x: torch.Tensor, norm):
     The int8, fp8 and Q8_0 kernels measured no gain or a loss from the same
     fold (int8 427.7 against 428.2, fp8 414.1 against 419.3); they apply the
     norm first, and int4 folds it into x's planes (pack_x)."""
-    xf = x.float()
-    group = NORM_GROUP if x.numel() % NORM_GROUP == 0 else x.numel()
-    return (xf * norm.weight.float()).to(x.dtype), xf.reshape(-1, group).square().sum(1), norm.eps
+    v, squares = _norm_input(x, norm.weight, NORM_GROUP if x.numel() % NORM_GROUP == 0 else x.numel())
+    return v.reshape(-1).to(x.dtype), squares, norm.eps
 
 
 def scaled_gemv(x: torch.Tensor, w: torch.Tensor, norm=None) -> torch.Tensor:
