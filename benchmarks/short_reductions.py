@@ -38,7 +38,7 @@ def fixed(xblock, warps):
             choices.triton_kernel_kwargs = kwargs
             choices.uuid = lambda: f"short-reductions-{xblock}-{warps}"
             return choices
-    Fixed.__name__ = f"Fixed_{xblock}_{warps}"
+    Fixed.__name__ = Fixed.__qualname__ = f"Fixed_{xblock}_{warps}"  # the compiler's cache key
     return Fixed
 
 
