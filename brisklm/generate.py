@@ -56,8 +56,7 @@ class OnePassReductions:
 
             def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs):
                 tiling = groups[0] if len(groups) == 1 and isinstance(groups[0], dict) else {}
-                known = V.graph.sizevars.statically_known_leq
-                if (set(tiling) == {"x", "r0_"} and known(tiling["r0_"], 255) and known(tiling["x"], 1024)
+                if (features.is_reduction() and set(tiling) == {"x", "r0_"} and short_reductions(**tiling)
                         and not kernel_kwargs.get("fixed_config") and not kernel_kwargs.get("mix_order_reduction")):
                     return {**kernel_kwargs, "override_persistent_reduction": True,
                             "fixed_config": FixedTritonConfig({"XBLOCK": 1, "num_warps": 2})}
@@ -67,6 +66,11 @@ class OnePassReductions:
                 return "brisklm-one-pass-reductions-8192-short-ones-fixed"
 
         return Choices()
+
+
+def short_reductions(x, r0_) -> bool:
+    """Up to 1024 reductions of 2-255 values each, of static sizes: compiled one program per reduction."""
+    return x.is_number and r0_.is_number and int(x) <= 1024 and 1 < int(r0_) < 256
 
 
 def prefill(model: Transformer, idx, input_pos, params: SamplingParams, kv_len=None):
