@@ -59,13 +59,16 @@ class OnePassReductions:
                 if (features.is_reduction() and set(tiling) == {"x", "r0_"} and short_reductions(**tiling)
                         and not kernel_kwargs.get("fixed_config") and not kernel_kwargs.get("mix_order_reduction")):
                     return {**kernel_kwargs, "override_persistent_reduction": True,
-                            "fixed_config": FixedTritonConfig({"XBLOCK": 1, "num_warps": 2})}
+                            "fixed_config": FixedTritonConfig(dict(SHORT_REDUCTION_BLOCK))}
                 return kernel_kwargs
 
             def uuid(self):  # for the compiler's cache key
-                return "brisklm-one-pass-reductions-8192-short-ones-fixed"
+                return f"brisklm-one-pass-reductions-8192-short-ones-{sorted(SHORT_REDUCTION_BLOCK.items())}"
 
         return Choices()
+
+
+SHORT_REDUCTION_BLOCK = {"XBLOCK": 1, "num_warps": 2}  # reductions a program, and its warps
 
 
 def short_reductions(x, r0_) -> bool:
