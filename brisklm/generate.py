@@ -68,7 +68,7 @@ class OnePassReductions:
         return Choices()
 
 
-SHORT_REDUCTION_BLOCK = {"XBLOCK": 1, "num_warps": 2}  # reductions a program, and its warps
+SHORT_REDUCTION_BLOCK = {"XBLOCK": 8, "num_warps": 2}  # reductions a program, and its warps
 
 
 def short_reductions(x, r0_) -> bool:
