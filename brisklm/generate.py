@@ -27,15 +27,25 @@ from .sampling import SamplingParams, sample
 
 
 class OnePassReductions:
-    """Inductor's choices, except that a reduction over up to 8192 values is
-    compiled "persistent" (one pass, the values held in registers) instead of
-    looped (two passes over memory, inductor's choice above 1024 values).
-    Each decode layer ends two reductions of 4096 values, residual + RMSNorm,
-    run by one program each: int8 decode on an H200 went from 393 to 401
-    tokens/s. (A class, not a function: its repr keys the on-disk cache.)"""
+    """Inductor's choices, except for two kinds of reductions.
+
+    A reduction over up to 8192 values is compiled "persistent" (one pass, the
+    values held in registers) instead of looped (two passes over memory,
+    inductor's choice above 1024 values). Each decode layer ends two
+    reductions of 4096 values, residual + RMSNorm, run by one program each:
+    int8 decode on an H200 went from 393 to 401 tokens/s.
+
+    Many short reductions (under 256 values each, e.g. gemv.pack_x's groups)
+    get one program per reduction, fixed at compile time. Inductor would time
+    up to three configurations at the first run and keep the fastest: for
+    these kernels of 1.5-5 us its pick varied from one compile to the next,
+    and the same pack kernel of an int4 step took 1.5 us in one compile and
+    about 5 us (a few programs looping over the groups) in another.
+    (A class, not a function: its repr keys the on-disk cache.)"""
 
     def __new__(cls):
         from torch._inductor.choices import InductorChoices
+        from torch._inductor.codegen.triton import FixedTritonConfig
         from torch._inductor.virtualized import V
 
         class Choices(InductorChoices):
@@ -44,10 +54,26 @@ class OnePassReductions:
                 return (V.graph.sizevars.statically_known_leq(features.reduction_numel, 8192)
                         or InductorChoices.should_use_persistent_reduction(features, cooperative_reduction))
 
+            def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs):
+                tiling = groups[0] if len(groups) == 1 and isinstance(groups[0], dict) else {}
+                if (features.is_reduction() and set(tiling) == {"x", "r0_"} and short_reductions(**tiling)
+                        and not kernel_kwargs.get("fixed_config") and not kernel_kwargs.get("mix_order_reduction")):
+                    return {**kernel_kwargs, "override_persistent_reduction": True,
+                            "fixed_config": FixedTritonConfig(dict(SHORT_REDUCTION_BLOCK))}
+                return kernel_kwargs
+
             def uuid(self):  # for the compiler's cache key
-                return "brisklm-one-pass-reductions-8192"
+                return f"brisklm-one-pass-reductions-8192-short-ones-{sorted(SHORT_REDUCTION_BLOCK.items())}"
 
         return Choices()
+
+
+SHORT_REDUCTION_BLOCK = {"XBLOCK": 8, "num_warps": 2}  # reductions a program, and its warps
+
+
+def short_reductions(x, r0_) -> bool:
+    """Up to 1024 reductions of 2-255 values each, of static sizes: compiled one program per reduction."""
+    return x.is_number and r0_.is_number and int(x) <= 1024 and 1 < int(r0_) < 256
 
 
 def prefill(model: Transformer, idx, input_pos, params: SamplingParams, kv_len=None):
