@@ -1,7 +1,7 @@
 """The residual add and gemv.pack_x of the int4 decode step, compiled alone:
 the kernel's time per call for each number of groups a program takes
 (XBLOCK), and under brisk's compiler options (generate.OnePassReductions,
-which fixes XBLOCK at 1 for reductions under 256 values), whose generated
+which fixes the block of reductions under 256 values), whose generated
 code must say so and whose outputs must equal inductor's own compile.
 
     PYTHONPATH=. python3 benchmarks/short_reductions.py   # on a CUDA device

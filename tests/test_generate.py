@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from brisklm.generate import Generator, OnePassReductions, weight_bytes_per_token
+from brisklm.generate import SHORT_REDUCTION_BLOCK, Generator, OnePassReductions, weight_bytes_per_token
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams
 
@@ -326,9 +326,9 @@ def test_a_step_saved_by_other_source_code_is_not_loaded_back(tmp_path, monkeypa
     assert precompile.artifacts_path(model, {}) != path
 
 
-def test_short_reductions_are_compiled_one_program_each():
+def test_short_reductions_are_compiled_with_a_fixed_block():
     """The decode step's compiler choices fix reductions of under 256 values
-    (gemv.pack_x's groups) at one program per reduction: inductor's timed pick
+    (gemv.pack_x's groups) at SHORT_REDUCTION_BLOCK: inductor's timed pick
     among three block sizes varied between compiles (1.5 against ~5 us for the
     same int4 pack kernel on an H200). Others keep inductor's own choice."""
     import sympy
@@ -342,7 +342,7 @@ def test_short_reductions_are_compiled_one_program_each():
         return choices.triton_kernel_kwargs(None, features, [tiling], kwargs).get("fixed_config")
 
     for x, r in ((32, 128), (112, 128), (128, 32), (1, 126)):  # int4 packs of 4096 and 14336; argmax's last stage
-        assert fixed(x, r).config == {"XBLOCK": 1, "num_warps": 2}, (x, r)
+        assert fixed(x, r).config == SHORT_REDUCTION_BLOCK, (x, r)
     assert fixed(1, 4096) is None  # an RMSNorm of 4096 values
     assert fixed(126, 1024) is None  # argmax's first stage
     assert fixed(4096, 128) is None  # many rows: inductor's choice
