@@ -1,0 +1,304 @@
+"""A feasibility measurement: the int8 GEMVs of a decode step's layers as one
+persistent kernel, against the same GEMVs as separate kernels.
+
+Between two GEMVs of a decode step the memory idles: the next kernel starts
+only when the last program of the one before it ends, and the small kernels
+between (sums, norms, attention) read almost nothing. Early launch
+(programmatic dependent launch) overlaps only a kernel's start with its
+predecessor's end, and reading the next kernel's first weights before its
+wait measured slower (2026-11-30). In one persistent kernel (a program per
+resident slot, all resident at once) the programs pass each stage boundary at
+a grid barrier, and each can read its first weights of the next stage before
+it waits there: the weights depend on nothing, so the memory keeps streaming
+across the boundary. The question this answers before anyone builds a fused
+decode layer: how close to the read ceiling does a chain of GEMVs get that
+way, against separate kernels?
+
+The chain, per layer of the Llama-3.1-8B shapes, int8 codes with a scale per
+row (dp4a, x's planes made by each program as in brisklm's kernel):
+
+    qkv = Wqkv h;  o = Wo qkv[:4096];  y = W13 o;  h = W2 (silu(y[:14336]) * y[14336:])
+
+(attention and the norms left out: the chain measures the GEMVs and their
+boundaries). The baseline is brisklm's int8 GEMV op with its tuned blocks,
+the split-K sums, scales and silu * up fused by inductor, compiled as the
+decode step is (early launch, one CUDA graph).
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/persistent_chain.py [--layers 8]
+
+The persistent kernel's barrier: each program adds 1 to a counter after a
+stage (release) and, before the next, polls it (acquire) until every program
+has; a poll limit turns a hang (a grid larger than what can be resident) into
+an error flag. Under TRITON_INTERPRET=1 the script checks the math on a tiny
+model with one program (programs run one after another there: a barrier
+between several would never open).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+
+from brisklm.kernels import gemv
+from brisklm.kernels.gemv import interpreted, triton
+from brisklm.quantize import quantize_int8
+
+tl = triton.language if triton is not None else None
+
+if triton is not None:
+    POLL_LIMIT = tl.constexpr(1 << 20)  # polls of the barrier's counter before a program gives up (~1 s)
+    from brisklm.kernels.gemv import _as_words, _int8_word_dot, _x_planes
+
+    @triton.jit
+    def _arrive(count_ptr):
+        tl.debug_barrier()  # every thread's stores issued before the program counts itself
+        tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _wait(count_ptr, target, error_ptr):
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        polls = 0
+        while (seen < target) & (polls < POLL_LIMIT):
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+            polls += 1
+        if seen < target:
+            tl.atomic_add(error_ptr, 1)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _chunk(acc, w, x_ptr, k0, K: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, XB: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """acc plus one BLOCK_K slice of K: codes w (BLOCK_N, BLOCK_K / 4 words) times x's planes."""
+        BLOCKS: tl.constexpr = BLOCK_K // XB
+        WPB: tl.constexpr = XB // 4
+        offs = k0 + tl.arange(0, BLOCK_K)
+        if GLU:  # x = silu(gate) * up, from the fp32 output of the stage before
+            gate = tl.load(x_ptr + offs, cache_modifier=".cg")
+            xf = gate / (1 + tl.exp(-gate)) * tl.load(x_ptr + K + offs, cache_modifier=".cg")
+        else:
+            xf = tl.load(x_ptr + offs, cache_modifier=".cg")
+        if ROUND:  # the activations of a bf16 model (the interpreter truncates here: its check leaves this out)
+            xf = xf.to(tl.bfloat16).to(tl.float32)
+        hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
+        x_hi = _as_words(tl.reshape(hi, (BLOCKS, WPB, 4)))
+        x_lo = _as_words(tl.reshape(lo, (BLOCKS, WPB, 4)))
+        w = tl.reshape(w, (BLOCK_N, BLOCKS, WPB))
+        d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2).to(tl.float32)
+        return acc + d * (step * (1 / 254))[None, :]
+
+    @triton.jit
+    def _tile_rest(acc, w_rows, row_ok, x_ptr, k_from, K: tl.constexpr, GLU: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, ROUND: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+        words = tl.arange(0, BLOCK_K // 4)
+        for k0 in range(k_from, K, BLOCK_K):
+            w = tl.load(w_rows + (k0 // 4 + words)[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
+            acc = _chunk(acc, w, x_ptr, k0, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        return acc
+
+    @triton.jit
+    def _stage(x_ptr, w_ptr, s_ptr, y_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
+               K: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               XB: tl.constexpr, PREFETCH: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """y = (W x) * s for one matrix, row tiles pid, pid + G, ...; waits for
+        `target` arrivals first, and counts itself after."""
+        words = tl.arange(0, BLOCK_K // 4)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 4)
+        if PREFETCH:  # the first weights do not depend on the stage before: read them before the barrier
+            w_first = tl.load(w_rows + words[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
+            _wait(count_ptr, target, error_ptr)
+        else:
+            _wait(count_ptr, target, error_ptr)
+            w_first = tl.load(w_rows + words[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
+        acc = _chunk(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_first, x_ptr, 0, K, GLU, BLOCK_N,
+                     BLOCK_K, XB, ROUND, INTERPRET)
+        acc = _tile_rest(acc, w_rows, row_ok, x_ptr, BLOCK_K, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_ok, other=0), mask=row_ok)
+        for t in range(pid + G, N // BLOCK_N, G):
+            rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _tile_rest(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_ptr + rows.to(tl.int64)[:, None] * (K // 4),
+                             rows < N, x_ptr, 0, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+            tl.store(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows))
+        _arrive(count_ptr)
+
+    @triton.jit
+    def _chain_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv_ptr, wo_ptr, w13_ptr, w2_ptr, sqkv_ptr, so_ptr, s13_ptr,
+                      s2_ptr, count_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, PREFETCH: tl.constexpr,
+                      ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        pid = tl.program_id(0)
+        G = tl.num_programs(0)
+        for layer in range(LAYERS):
+            base = 4 * layer * G  # arrivals before this layer's first stage
+            # (word offsets of a layer's matrices fit int32 up to ~70 layers of these shapes)
+            _stage(h_ptr, wqkv_ptr + layer * (QKV * D // 4), sqkv_ptr + layer * QKV, qkv_ptr, count_ptr, base, error_ptr,
+                   pid, G, QKV, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
+            _stage(qkv_ptr, wo_ptr + layer * (D * D // 4), so_ptr + layer * D, o_ptr, count_ptr, base + G, error_ptr,
+                   pid, G, D, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
+            _stage(o_ptr, w13_ptr + layer * (2 * I * D // 4), s13_ptr + layer * 2 * I, y13_ptr, count_ptr, base + 2 * G,
+                   error_ptr, pid, G, 2 * I, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
+            _stage(y13_ptr, w2_ptr + layer * (D * I // 4), s2_ptr + layer * D, h_ptr, count_ptr, base + 3 * G,
+                   error_ptr, pid, G, D, I, True, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
+
+
+def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
+    """int8 codes and row scales for each matrix, stacked by layer; weights ~ N(0, 1/K) keep |h| steady."""
+    out = {}
+    for name, (n, k) in {"wqkv": (qkv, d), "wo": (d, d), "w13": (2 * inter, d), "w2": (d, inter)}.items():
+        qs = [quantize_int8(torch.randn(n, k, device=device) / k ** 0.5) for _ in range(layers)]
+        out[name] = torch.stack([q["int8"] for q in qs])
+        out["s" + name] = torch.stack([q["scale"].float() for q in qs])
+    return out
+
+
+def chain_separate(h: torch.Tensor, w: dict, d: int, inter: int) -> torch.Tensor:
+    """The chain through brisklm's GEMV op (bf16 activations, as in a model)."""
+    for layer in range(w["wqkv"].shape[0]):
+        def gemv_(x, name):
+            return gemv.scaled_gemv(x.to(torch.bfloat16), w[name][layer]).sum(0) * w["s" + name][layer]
+        qkv = gemv_(h, "wqkv")
+        o = gemv_(qkv[:d], "wo")
+        y = gemv_(o, "w13")
+        h = gemv_(F.silu(y[:inter]) * y[inter:], "w2")
+    return h
+
+
+def chain_reference(h: torch.Tensor, w: dict, d: int, inter: int, bf16_x: bool = True) -> torch.Tensor:
+    """The same in fp64 of the dequantized weights, activations rounded to bf16 as the kernels see them."""
+    h = h.double()
+    for layer in range(w["wqkv"].shape[0]):
+        def mv(x, name):
+            x = x.to(torch.bfloat16).double() if bf16_x else x
+            return (w[name][layer].double() @ x) * w["s" + name][layer].double()
+        qkv = mv(h, "wqkv")
+        o = mv(qkv[:d], "wo")
+        y = mv(o, "w13")
+        h = mv(F.silu(y[:inter]) * y[inter:], "w2")
+    return h
+
+
+class Persistent:
+    """The chain as one launch of `grid` programs, its buffers made once (a CUDA graph replays it)."""
+
+    def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
+                 warps: int, prefetch: bool):
+        device = w["wqkv"].device
+        self.w, self.d, self.qkv, self.inter, self.grid = w, d, qkv, inter, grid
+        self.h = torch.zeros(d, device=device)
+        self.bufs = [torch.zeros(n, device=device) for n in (qkv, d, 2 * inter)]
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.error = torch.zeros(1, dtype=torch.int32, device=device)
+        self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=gemv.dp4a_block(min(d, inter)),
+                         PREFETCH=prefetch, ROUND=not interpreted(), INTERPRET=interpreted(),
+                         num_warps=warps)
+
+    def args(self):
+        w = self.w
+        return (self.h, *self.bufs, *(w[n].view(torch.int32) for n in ("wqkv", "wo", "w13", "w2")),
+                *(w[n] for n in ("swqkv", "swo", "sw13", "sw2")), self.count, self.error, w["wqkv"].shape[0])
+
+    def resident_programs(self) -> int:
+        """How many programs of this kernel fit on the GPU at once (registers, shared memory, threads)."""
+        kernel = _chain_kernel.warmup(*self.args(), grid=(1,), **self.meta)
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(self.h.device)
+        threads = 32 * self.meta["num_warps"]
+        regs = -(-kernel.n_regs // 8) * 8 * threads  # allocated in steps of 8 a thread
+        per_sm = min(getattr(props, "max_threads_per_multi_processor", 2048) // threads,
+                     getattr(props, "regs_per_multiprocessor", 65536) // max(regs, 1),
+                     getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // max(kernel.metadata.shared, 1),
+                     32)
+        return per_sm * props.multi_processor_count
+
+    def __call__(self, h0: torch.Tensor) -> torch.Tensor:
+        self.h.copy_(h0)
+        self.count.zero_()
+        _chain_kernel[(self.grid,)](*self.args(), **self.meta)
+        return self.h
+
+
+def check_interpreted():
+    """The persistent chain's math on a tiny model, one program, against fp64: 8 GEMVs in a chain,
+    each within ~3e-5 (x's planes; brisklm's op gives 2.8e-5 on the same matrix)."""
+    torch.manual_seed(0)
+    d, qkv, inter, layers = 256, 384, 512, 2
+    w = make_layers(layers, d, qkv, inter, "cpu")
+    h0 = torch.randn(d)
+    for prefetch in (False, True):
+        run = Persistent(w, d, qkv, inter, grid=1, block_n=4, block_k=256, warps=4, prefetch=prefetch)
+        got = run(h0).double()
+        ref = chain_reference(h0, w, d, inter, bf16_x=False)
+        err = ((got - ref).norm() / ref.norm()).item()
+        print(f"interpreter, prefetch={prefetch}: relative error {err:.2e} against fp64; "
+              f"barrier errors {int(run.error)}, arrivals {int(run.count)} (expected {4 * layers})")
+        assert err < 3e-4 and int(run.error) == 0 and int(run.count) == 4 * layers
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--configs", default="4x2048x4,8x1024x4,8x2048x8",
+                        help="BLOCK_N x BLOCK_K x warps of the persistent kernel")
+    parser.add_argument("--per_sm", default="2,4,8", help="programs a multiprocessor to try")
+    args = parser.parse_args()
+    if interpreted():
+        check_interpreted()
+        return
+    from gemv_sweep import read_ceiling_gbs, time_us
+
+    from brisklm.generate import OnePassReductions
+
+    torch.manual_seed(0)
+    d, qkv, inter = 4096, 6144, 14336
+    w = make_layers(args.layers, d, qkv, inter, "cuda")
+    nbytes = sum(t.numel() * t.element_size() for t in w.values())
+    h0 = torch.randn(d, device="cuda")
+    ref = chain_reference(h0, w, d, inter)
+    ceiling = read_ceiling_gbs()
+    print(f"read ceiling {ceiling:.0f} GB/s; {args.layers} layers, {nbytes / 1e6:.1f} MB of codes and scales")
+
+    def rel(y):
+        return ((y.double() - ref).norm() / ref.norm()).item()
+
+    rows = []
+    compiled = torch.compile(chain_separate, fullgraph=True, options={
+        "triton.enable_pdl": True, "inductor_choices_class": OnePassReductions})
+    got = compiled(h0, w, d, inter)
+    us = time_us([lambda: compiled(h0, w, d, inter)], reps=4)
+    rows.append(("separate kernels (brisklm op, compiled, early launch)", us, rel(got), ""))
+    print(*rows[-1], flush=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in args.configs.split(","):
+        block_n, block_k, warps = map(int, cfg.split("x"))
+        for per_sm in map(int, args.per_sm.split(",")):
+            for prefetch in (True, False):
+                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, prefetch)
+                fits = run.resident_programs()
+                if run.grid > fits:
+                    rows.append((f"persistent {cfg}, {per_sm}/SM", float("nan"), float("nan"),
+                                 f"not resident ({fits} fit)"))
+                    break
+                got = run(h0).clone()
+                torch.cuda.synchronize()
+                name = f"persistent {cfg}, {per_sm}/SM, {'prefetch' if prefetch else 'no prefetch'}"
+                arrivals = 4 * args.layers * run.grid
+                if int(run.error) or int(run.count) != arrivals:
+                    rows.append((name, float("nan"), rel(got), f"barrier errors {int(run.error)}, "
+                                 f"arrivals {int(run.count)} of {arrivals}: not timed"))
+                    continue
+                rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got), f"{fits} programs fit"))
+                print(*rows[-1], flush=True)
+    print(f"\n| variant | us a layer | fraction of {ceiling:.0f} GB/s | relative error (fp64) | note |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, us, err, note in rows:
+        per_layer = us / args.layers
+        frac = nbytes / (us * 1e-6) / 1e9 / ceiling
+        print(f"| {name} | {per_layer:.1f} | {frac:.3f} | {err:.1e} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
