@@ -120,8 +120,8 @@ if triton is not None:
         tl.store(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_ok, other=0), mask=row_ok)
         for t in range(pid + G, N // BLOCK_N, G):
             rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = _tile_rest(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_ptr + rows.to(tl.int64)[:, None] * (K // 4),
-                             rows < N, x_ptr, 0, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+            w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 4)
+            acc = _tile_rest(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_rows, rows < N, x_ptr, 0, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
             tl.store(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows))
         _arrive(count_ptr)
 
@@ -135,8 +135,8 @@ if triton is not None:
         for layer in range(LAYERS):
             base = 4 * layer * G  # arrivals before this layer's first stage
             # (word offsets of a layer's matrices fit int32 up to ~70 layers of these shapes)
-            _stage(h_ptr, wqkv_ptr + layer * (QKV * D // 4), sqkv_ptr + layer * QKV, qkv_ptr, count_ptr, base, error_ptr,
-                   pid, G, QKV, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
+            _stage(h_ptr, wqkv_ptr + layer * (QKV * D // 4), sqkv_ptr + layer * QKV, qkv_ptr, count_ptr, base,
+                   error_ptr, pid, G, QKV, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
             _stage(qkv_ptr, wo_ptr + layer * (D * D // 4), so_ptr + layer * D, o_ptr, count_ptr, base + G, error_ptr,
                    pid, G, D, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
             _stage(o_ptr, w13_ptr + layer * (2 * I * D // 4), s13_ptr + layer * 2 * I, y13_ptr, count_ptr, base + 2 * G,
