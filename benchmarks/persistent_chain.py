@@ -121,7 +121,8 @@ if triton is not None:
         for t in range(pid + G, N // BLOCK_N, G):
             rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
             w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 4)
-            acc = _tile_rest(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_rows, rows < N, x_ptr, 0, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+            acc = _tile_rest(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_rows, rows < N, x_ptr, 0, K, GLU,
+                             BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
             tl.store(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows))
         _arrive(count_ptr)
 
