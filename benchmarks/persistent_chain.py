@@ -17,7 +17,7 @@ way, against separate kernels?
 The chain, per layer of the Llama-3.1-8B shapes, int8 codes with a scale per
 row (dp4a, x's planes made by each program as in brisklm's kernel):
 
-    qkv = Wqkv h;  o = Wo qkv[:4096];  y = W13 o;  h = W2 (silu(y[:14336]) * y[14336:])
+    qkv = Wqkv h;  o = Wo qkv[:4096];  y = W13 o;  h += W2 (silu(y[:14336]) * y[14336:])
 
 (attention and the norms left out: the chain measures the GEMVs and their
 boundaries). The baseline is brisklm's int8 GEMV op with its tuned blocks,
@@ -89,61 +89,88 @@ if triton is not None:
         return acc + d * (step * (1 / 254))[None, :]
 
     @triton.jit
-    def _tile_rest(acc, w_rows, row_ok, x_ptr, k_from, K: tl.constexpr, GLU: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, ROUND: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-        words = tl.arange(0, BLOCK_K // 4)
-        for k0 in range(k_from, K, BLOCK_K):
-            w = tl.load(w_rows + (k0 // 4 + words)[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
-            acc = _chunk(acc, w, x_ptr, k0, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
-        return acc
+    def _load_codes(w_ptr, it, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Work item `it` of a stage: rows (it // CHUNKS) * BLOCK_N + ..., the (it % CHUNKS)-th BLOCK_K of K."""
+        CHUNKS: tl.constexpr = K // BLOCK_K
+        rows = (it // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        words = (it % CHUNKS) * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+        return tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 4) + words[None, :], eviction_policy="evict_first")
 
     @triton.jit
-    def _stage(x_ptr, w_ptr, s_ptr, y_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
-               K: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               XB: tl.constexpr, PREFETCH: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
-        """y = (W x) * s for one matrix, row tiles pid, pid + G, ...; waits for
-        `target` arrivals first, and counts itself after."""
-        words = tl.arange(0, BLOCK_K // 4)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 4)
-        if PREFETCH:  # the first weights do not depend on the stage before: read them before the barrier
-            w_first = tl.load(w_rows + words[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
+    def _item(acc, w, it, last, x_ptr, s_ptr, y_ptr, K: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, XB: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """acc plus work item `it` (codes w); at a tile's last chunk, or this program's last
+        item, its rows' sums are added to y (another program may hold the tile's other chunks)."""
+        CHUNKS: tl.constexpr = K // BLOCK_K
+        acc = _chunk(acc, w, x_ptr, (it % CHUNKS) * BLOCK_K, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        flush = (it % CHUNKS == CHUNKS - 1) | (it == last)
+        if flush:
+            rows = (it // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.atomic_add(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows), sem="relaxed")
+        return tl.where(flush, 0.0, acc)
+
+    @triton.jit
+    def _zero(ptr, n, pid, G):
+        """This program's share of ptr[:n] set to 0 (a buffer the next stages accumulate into)."""
+        offs = tl.arange(0, 256)
+        for i in range(pid * 256, n, G * 256):
+            tl.store(ptr + i + offs, tl.zeros((256,), tl.float32), mask=i + offs < n)
+
+    @triton.jit
+    def _stage(x_ptr, w_ptr, s_ptr, y_ptr, zero_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
+               K: tl.constexpr, ZERO_N: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               XB: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, ROUND: tl.constexpr,
+               INTERPRET: tl.constexpr):
+        """y += (W x) * s for one matrix, after `target` arrivals; counts itself after.
+        Once past the barrier it also zeroes its share of zero_ptr[:ZERO_N], for a later stage.
+
+        Its (row tile, chunk of K) items are split evenly between the programs, in
+        order, so a tile's chunks may fall to two programs: the row sums are added
+        to y atomically (y zeroed beforehand). The loop over items is pipelined
+        STAGES deep (the loads run ahead through shared memory)."""
+        ITEMS: tl.constexpr = N // BLOCK_N * (K // BLOCK_K)
+        first = pid * ITEMS // G
+        last = (pid + 1) * ITEMS // G - 1
+        if PREFETCH:  # the first codes do not depend on the stage before: read them before the barrier
+            w = _load_codes(w_ptr, first, K, BLOCK_N, BLOCK_K)
             _wait(count_ptr, target, error_ptr)
         else:
             _wait(count_ptr, target, error_ptr)
-            w_first = tl.load(w_rows + words[None, :], mask=row_ok[:, None], eviction_policy="evict_first")
-        acc = _chunk(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_first, x_ptr, 0, K, GLU, BLOCK_N,
-                     BLOCK_K, XB, ROUND, INTERPRET)
-        acc = _tile_rest(acc, w_rows, row_ok, x_ptr, BLOCK_K, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_ok, other=0), mask=row_ok)
-        for t in range(pid + G, N // BLOCK_N, G):
-            rows = t * BLOCK_N + tl.arange(0, BLOCK_N)
-            w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 4)
-            acc = _tile_rest(tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32), w_rows, rows < N, x_ptr, 0, K, GLU,
-                             BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
-            tl.store(y_ptr + rows, tl.sum(acc, axis=1) * tl.load(s_ptr + rows))
+            w = _load_codes(w_ptr, first, K, BLOCK_N, BLOCK_K)
+        if ZERO_N > 0:
+            _zero(zero_ptr, ZERO_N, pid, G)
+        acc = tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32)
+        if first <= last:
+            acc = _item(acc, w, first, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        for it in tl.range(first + 1, last + 1, num_stages=STAGES):
+            acc = _item(acc, _load_codes(w_ptr, it, K, BLOCK_N, BLOCK_K), it, last, x_ptr, s_ptr, y_ptr, K, GLU,
+                        BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
         _arrive(count_ptr)
 
     @triton.jit
     def _chain_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv_ptr, wo_ptr, w13_ptr, w2_ptr, sqkv_ptr, so_ptr, s13_ptr,
                       s2_ptr, count_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, PREFETCH: tl.constexpr,
-                      ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
+                      PREFETCH: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """The chain; qkv and o come zeroed. Each output buffer is zeroed for its
+        next use, past a barrier after its last read, while a stage that neither reads
+        nor writes it runs: y13 during qkv's stage, qkv during w13's, o during w2's.
+        w2 adds to h (the residual)."""
         pid = tl.program_id(0)
         G = tl.num_programs(0)
         for layer in range(LAYERS):
             base = 4 * layer * G  # arrivals before this layer's first stage
             # (word offsets of a layer's matrices fit int32 up to ~70 layers of these shapes)
-            _stage(h_ptr, wqkv_ptr + layer * (QKV * D // 4), sqkv_ptr + layer * QKV, qkv_ptr, count_ptr, base,
-                   error_ptr, pid, G, QKV, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
-            _stage(qkv_ptr, wo_ptr + layer * (D * D // 4), so_ptr + layer * D, o_ptr, count_ptr, base + G, error_ptr,
-                   pid, G, D, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
-            _stage(o_ptr, w13_ptr + layer * (2 * I * D // 4), s13_ptr + layer * 2 * I, y13_ptr, count_ptr, base + 2 * G,
-                   error_ptr, pid, G, 2 * I, D, False, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
-            _stage(y13_ptr, w2_ptr + layer * (D * I // 4), s2_ptr + layer * D, h_ptr, count_ptr, base + 3 * G,
-                   error_ptr, pid, G, D, I, True, BLOCK_N, BLOCK_K, XB, PREFETCH, ROUND, INTERPRET)
+            _stage(h_ptr, wqkv_ptr + layer * (QKV * D // 4), sqkv_ptr + layer * QKV, qkv_ptr, y13_ptr, count_ptr,
+                   base, error_ptr, pid, G, QKV, D, 2 * I, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, ROUND,
+                   INTERPRET)
+            _stage(qkv_ptr, wo_ptr + layer * (D * D // 4), so_ptr + layer * D, o_ptr, o_ptr, count_ptr, base + G,
+                   error_ptr, pid, G, D, D, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, ROUND, INTERPRET)
+            _stage(o_ptr, w13_ptr + layer * (2 * I * D // 4), s13_ptr + layer * 2 * I, y13_ptr, qkv_ptr, count_ptr,
+                   base + 2 * G, error_ptr, pid, G, 2 * I, D, QKV, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH,
+                   ROUND, INTERPRET)
+            _stage(y13_ptr, w2_ptr + layer * (D * I // 4), s2_ptr + layer * D, h_ptr, o_ptr, count_ptr, base + 3 * G,
+                   error_ptr, pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, ROUND, INTERPRET)
 
 
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
@@ -164,7 +191,7 @@ def chain_separate(h: torch.Tensor, w: dict, d: int, inter: int) -> torch.Tensor
         qkv = gemv_(h, "wqkv")
         o = gemv_(qkv[:d], "wo")
         y = gemv_(o, "w13")
-        h = gemv_(F.silu(y[:inter]) * y[inter:], "w2")
+        h = h + gemv_(F.silu(y[:inter]) * y[inter:], "w2")
     return h
 
 
@@ -178,7 +205,7 @@ def chain_reference(h: torch.Tensor, w: dict, d: int, inter: int, bf16_x: bool =
         qkv = mv(h, "wqkv")
         o = mv(qkv[:d], "wo")
         y = mv(o, "w13")
-        h = mv(F.silu(y[:inter]) * y[inter:], "w2")
+        h = h + mv(F.silu(y[:inter]) * y[inter:], "w2")
     return h
 
 
@@ -186,7 +213,7 @@ class Persistent:
     """The chain as one launch of `grid` programs, its buffers made once (a CUDA graph replays it)."""
 
     def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
-                 warps: int, prefetch: bool):
+                 warps: int, stages: int, prefetch: bool):
         device = w["wqkv"].device
         self.w, self.d, self.qkv, self.inter, self.grid = w, d, qkv, inter, grid
         self.h = torch.zeros(d, device=device)
@@ -194,7 +221,7 @@ class Persistent:
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=gemv.dp4a_block(min(d, inter)),
-                         PREFETCH=prefetch, ROUND=not interpreted(), INTERPRET=interpreted(),
+                         STAGES=stages, PREFETCH=prefetch, ROUND=not interpreted(), INTERPRET=interpreted(),
                          num_warps=warps)
 
     def args(self):
@@ -217,6 +244,8 @@ class Persistent:
 
     def __call__(self, h0: torch.Tensor) -> torch.Tensor:
         self.h.copy_(h0)
+        self.bufs[0].zero_()  # qkv and o: the kernel zeroes them for their next use, not the first
+        self.bufs[1].zero_()
         self.count.zero_()
         _chain_kernel[(self.grid,)](*self.args(), **self.meta)
         return self.h
@@ -230,7 +259,7 @@ def check_interpreted():
     w = make_layers(layers, d, qkv, inter, "cpu")
     h0 = torch.randn(d)
     for prefetch in (False, True):
-        run = Persistent(w, d, qkv, inter, grid=1, block_n=4, block_k=256, warps=4, prefetch=prefetch)
+        run = Persistent(w, d, qkv, inter, grid=1, block_n=4, block_k=256, warps=4, stages=2, prefetch=prefetch)
         got = run(h0).double()
         ref = chain_reference(h0, w, d, inter, bf16_x=False)
         err = ((got - ref).norm() / ref.norm()).item()
@@ -242,9 +271,9 @@ def check_interpreted():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--configs", default="4x2048x4,8x1024x4,8x2048x8",
-                        help="BLOCK_N x BLOCK_K x warps of the persistent kernel")
-    parser.add_argument("--per_sm", default="2,4,8", help="programs a multiprocessor to try")
+    parser.add_argument("--configs", default="16x1024x4x3,16x1024x8x3,8x1024x4x3,16x512x4x4,32x512x8x3,16x1024x4x1",
+                        help="BLOCK_N x BLOCK_K x warps x pipeline stages of the persistent kernel")
+    parser.add_argument("--per_sm", default="1,2,4", help="programs a multiprocessor to try")
     args = parser.parse_args()
     if interpreted():
         check_interpreted()
@@ -260,9 +289,12 @@ def main():
     h0 = torch.randn(d, device="cuda")
     ref = chain_reference(h0, w, d, inter)
     ceiling = read_ceiling_gbs()
-    print(f"read ceiling {ceiling:.0f} GB/s; {args.layers} layers, {nbytes / 1e6:.1f} MB of codes and scales")
+    print(f"read ceiling {ceiling:.0f} GB/s; {args.layers} layers, {nbytes / 1e6:.1f} MB of codes and scales; "
+          f"|h| {h0.norm():.2f} -> {ref.norm():.2f} (fp64)")
 
     def rel(y):
+        if not torch.isfinite(y).all():
+            return float("nan")
         return ((y.double() - ref).norm() / ref.norm()).item()
 
     rows = []
@@ -274,10 +306,10 @@ def main():
     print(*rows[-1], flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in args.configs.split(","):
-        block_n, block_k, warps = map(int, cfg.split("x"))
+        block_n, block_k, warps, stages = map(int, cfg.split("x"))
         for per_sm in map(int, args.per_sm.split(",")):
             for prefetch in (True, False):
-                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, prefetch)
+                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch)
                 fits = run.resident_programs()
                 if run.grid > fits:
                     rows.append((f"persistent {cfg}, {per_sm}/SM", float("nan"), float("nan"),
