@@ -119,8 +119,8 @@ if triton is not None:
     @triton.jit
     def _stage(x_ptr, w_ptr, s_ptr, y_ptr, zero_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
                K: tl.constexpr, ZERO_N: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               XB: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr, ROUND: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               XB: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr,
+               ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """y += (W x) * s for one matrix, after `target` arrivals; counts itself after.
         Once past the barrier it also zeroes its share of zero_ptr[:ZERO_N], for a later stage.
 
@@ -140,18 +140,25 @@ if triton is not None:
         if ZERO_N > 0:
             _zero(zero_ptr, ZERO_N, pid, G)
         acc = tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32)
-        if first <= last:
-            acc = _item(acc, w, first, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
-        for it in tl.range(first + 1, last + 1, num_stages=STAGES):
-            acc = _item(acc, _load_codes(w_ptr, it, K, BLOCK_N, BLOCK_K), it, last, x_ptr, s_ptr, y_ptr, K, GLU,
-                        BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        if AHEAD:  # each item's codes loaded one item ahead, in registers (STAGES 1)
+            for it in range(first, last + 1):
+                w_next = _load_codes(w_ptr, tl.minimum(it + 1, last), K, BLOCK_N, BLOCK_K)
+                acc = _item(acc, w, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+                w = w_next
+        else:
+            if first <= last:
+                acc = _item(acc, w, first, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND,
+                            INTERPRET)
+            for it in tl.range(first + 1, last + 1, num_stages=STAGES):
+                acc = _item(acc, _load_codes(w_ptr, it, K, BLOCK_N, BLOCK_K), it, last, x_ptr, s_ptr, y_ptr, K, GLU,
+                            BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
         _arrive(count_ptr)
 
     @triton.jit
     def _chain_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv_ptr, wo_ptr, w13_ptr, w2_ptr, sqkv_ptr, so_ptr, s13_ptr,
                       s2_ptr, count_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                      PREFETCH: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+                      AHEAD: tl.constexpr, PREFETCH: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """The chain; qkv and o come zeroed. Each output buffer is zeroed for its
         next use, past a barrier after its last read, while a stage that neither reads
         nor writes it runs: y13 during qkv's stage, qkv during w13's, o during w2's.
@@ -162,15 +169,17 @@ if triton is not None:
             base = 4 * layer * G  # arrivals before this layer's first stage
             # (word offsets of a layer's matrices fit int32 up to ~70 layers of these shapes)
             _stage(h_ptr, wqkv_ptr + layer * (QKV * D // 4), sqkv_ptr + layer * QKV, qkv_ptr, y13_ptr, count_ptr,
-                   base, error_ptr, pid, G, QKV, D, 2 * I, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, ROUND,
-                   INTERPRET)
-            _stage(qkv_ptr, wo_ptr + layer * (D * D // 4), so_ptr + layer * D, o_ptr, o_ptr, count_ptr, base + G,
-                   error_ptr, pid, G, D, D, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, ROUND, INTERPRET)
+                   base, error_ptr, pid, G, QKV, D, 2 * I, False,
+                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
+            _stage(qkv_ptr, wo_ptr + layer * (D * D // 4), so_ptr + layer * D, o_ptr, o_ptr, count_ptr,
+                   base + G, error_ptr, pid, G, D, D, 0, False,
+                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
             _stage(o_ptr, w13_ptr + layer * (2 * I * D // 4), s13_ptr + layer * 2 * I, y13_ptr, qkv_ptr, count_ptr,
-                   base + 2 * G, error_ptr, pid, G, 2 * I, D, QKV, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH,
-                   ROUND, INTERPRET)
-            _stage(y13_ptr, w2_ptr + layer * (D * I // 4), s2_ptr + layer * D, h_ptr, o_ptr, count_ptr, base + 3 * G,
-                   error_ptr, pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, ROUND, INTERPRET)
+                   base + 2 * G, error_ptr, pid, G, 2 * I, D, QKV, False,
+                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
+            _stage(y13_ptr, w2_ptr + layer * (D * I // 4), s2_ptr + layer * D, h_ptr, o_ptr, count_ptr,
+                   base + 3 * G, error_ptr, pid, G, D, I, D, True,
+                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
 
 
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
@@ -213,7 +222,7 @@ class Persistent:
     """The chain as one launch of `grid` programs, its buffers made once (a CUDA graph replays it)."""
 
     def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
-                 warps: int, stages: int, prefetch: bool):
+                 warps: int, stages: int, prefetch: bool, ahead: bool = False):
         device = w["wqkv"].device
         self.w, self.d, self.qkv, self.inter, self.grid = w, d, qkv, inter, grid
         self.h = torch.zeros(d, device=device)
@@ -221,8 +230,8 @@ class Persistent:
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=gemv.dp4a_block(min(d, inter)),
-                         STAGES=stages, PREFETCH=prefetch, ROUND=not interpreted(), INTERPRET=interpreted(),
-                         num_warps=warps)
+                         STAGES=stages, AHEAD=ahead, PREFETCH=prefetch, ROUND=not interpreted(),
+                         INTERPRET=interpreted(), num_warps=warps)
 
     def args(self):
         w = self.w
@@ -258,12 +267,13 @@ def check_interpreted():
     d, qkv, inter, layers = 256, 384, 512, 2
     w = make_layers(layers, d, qkv, inter, "cpu")
     h0 = torch.randn(d)
-    for prefetch in (False, True):
-        run = Persistent(w, d, qkv, inter, grid=1, block_n=4, block_k=256, warps=4, stages=2, prefetch=prefetch)
+    for prefetch, ahead in ((False, False), (True, False), (True, True)):
+        run = Persistent(w, d, qkv, inter, grid=1, block_n=4, block_k=256, warps=4, stages=2, prefetch=prefetch,
+                         ahead=ahead)
         got = run(h0).double()
         ref = chain_reference(h0, w, d, inter, bf16_x=False)
         err = ((got - ref).norm() / ref.norm()).item()
-        print(f"interpreter, prefetch={prefetch}: relative error {err:.2e} against fp64; "
+        print(f"interpreter, prefetch={prefetch}, ahead={ahead}: relative error {err:.2e} against fp64; "
               f"barrier errors {int(run.error)}, arrivals {int(run.count)} (expected {4 * layers})")
         assert err < 3e-4 and int(run.error) == 0 and int(run.count) == 4 * layers
 
@@ -271,9 +281,11 @@ def check_interpreted():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--configs", default="16x1024x4x3,16x1024x8x3,8x1024x4x3,16x512x4x4,32x512x8x3,16x1024x4x1",
-                        help="BLOCK_N x BLOCK_K x warps x pipeline stages of the persistent kernel")
-    parser.add_argument("--per_sm", default="1,2,4", help="programs a multiprocessor to try")
+    parser.add_argument("--configs", default="16x1024x4x1,16x1024x4x1x1,8x1024x2x1,8x1024x2x1x1,32x1024x8x1,"
+                        "32x1024x8x1x1,16x512x4x1,16x512x2x1x1",
+                        help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes loaded an item ahead in registers]")
+    parser.add_argument("--per_sm", default="2,4,8,16", help="programs a multiprocessor to try")
+    parser.add_argument("--prefetch", default="1", help="1: first codes read before each barrier; 0: after")
     args = parser.parse_args()
     if interpreted():
         check_interpreted()
@@ -300,16 +312,16 @@ def main():
     rows = []
     compiled = torch.compile(chain_separate, fullgraph=True, options={
         "triton.enable_pdl": True, "inductor_choices_class": OnePassReductions})
-    got = compiled(h0, w, d, inter)
+    got = separate = compiled(h0, w, d, inter).clone()
     us = time_us([lambda: compiled(h0, w, d, inter)], reps=4)
     rows.append(("separate kernels (brisklm op, compiled, early launch)", us, rel(got), ""))
     print(*rows[-1], flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in args.configs.split(","):
-        block_n, block_k, warps, stages = map(int, cfg.split("x"))
+        block_n, block_k, warps, stages, ahead = (list(map(int, cfg.split("x"))) + [0])[:5]
         for per_sm in map(int, args.per_sm.split(",")):
-            for prefetch in (True, False):
-                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch)
+            for prefetch in map(int, args.prefetch.split(",")):
+                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch, ahead)
                 fits = run.resident_programs()
                 if run.grid > fits:
                     rows.append((f"persistent {cfg}, {per_sm}/SM", float("nan"), float("nan"),
@@ -323,7 +335,9 @@ def main():
                     rows.append((name, float("nan"), rel(got), f"barrier errors {int(run.error)}, "
                                  f"arrivals {int(run.count)} of {arrivals}: not timed"))
                     continue
-                rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got), f"{fits} programs fit"))
+                apart = ((got - separate).norm() / separate.norm()).item()
+                rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got),
+                             f"{fits} programs fit; {apart:.1e} from the separate kernels' h"))
                 print(*rows[-1], flush=True)
     print(f"\n| variant | us a layer | fraction of {ceiling:.0f} GB/s | relative error (fp64) | note |")
     print("| --- | --- | --- | --- | --- |")
