@@ -283,7 +283,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--configs", default="16x1024x4x1,16x1024x4x1x1,8x1024x2x1,8x1024x2x1x1,32x1024x8x1,"
                         "32x1024x8x1x1,16x512x4x1,16x512x2x1x1",
-                        help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes loaded an item ahead in registers]")
+                        help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes read an item ahead]")
     parser.add_argument("--per_sm", default="2,4,8,16", help="programs a multiprocessor to try")
     parser.add_argument("--prefetch", default="1", help="1: first codes read before each barrier; 0: after")
     args = parser.parse_args()
