@@ -89,12 +89,23 @@ if triton is not None:
         return acc + d * (step * (1 / 254))[None, :]
 
     @triton.jit
-    def _load_codes(w_ptr, it, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Work item `it` of a stage: rows (it // CHUNKS) * BLOCK_N + ..., the (it % CHUNKS)-th BLOCK_K of K."""
+    def _load_codes(w, layer, it, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    TMA: tl.constexpr):
+        """Work item `it` of a stage: rows (it // CHUNKS) * BLOCK_N + ..., the (it % CHUNKS)-th
+        BLOCK_K of K, of the layer's matrix in w (codes as int32 words, (layers, N, K / 4)): a
+        pointer, or with TMA a tensor descriptor (the copy engine moves the tile)."""
         CHUNKS: tl.constexpr = K // BLOCK_K
-        rows = (it // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
-        words = (it % CHUNKS) * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
-        return tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 4) + words[None, :], eviction_policy="evict_first")
+        row0 = (it // CHUNKS) * BLOCK_N
+        word0 = (it % CHUNKS) * (BLOCK_K // 4)
+        if TMA:
+            codes = w.load([layer, row0, word0]).reshape(BLOCK_N, BLOCK_K // 4)
+        else:
+            rows = row0 + tl.arange(0, BLOCK_N)
+            words = word0 + tl.arange(0, BLOCK_K // 4)
+            # (word offsets of a layer's matrices fit int32 up to ~70 layers of these shapes)
+            offsets = layer * (N * K // 4) + rows.to(tl.int64)[:, None] * (K // 4) + words[None, :]
+            codes = tl.load(w + offsets, eviction_policy="evict_first")
+        return codes
 
     @triton.jit
     def _item(acc, w, it, last, x_ptr, s_ptr, y_ptr, K: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -117,10 +128,10 @@ if triton is not None:
             tl.store(ptr + i + offs, tl.zeros((256,), tl.float32), mask=i + offs < n)
 
     @triton.jit
-    def _stage(x_ptr, w_ptr, s_ptr, y_ptr, zero_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
+    def _stage(x_ptr, w, layer, s_ptr, y_ptr, zero_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
                K: tl.constexpr, ZERO_N: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                XB: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr,
-               ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+               TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """y += (W x) * s for one matrix, after `target` arrivals; counts itself after.
         Once past the barrier it also zeroes its share of zero_ptr[:ZERO_N], for a later stage.
 
@@ -132,33 +143,35 @@ if triton is not None:
         first = pid * ITEMS // G
         last = (pid + 1) * ITEMS // G - 1
         if PREFETCH:  # the first codes do not depend on the stage before: read them before the barrier
-            w = _load_codes(w_ptr, first, K, BLOCK_N, BLOCK_K)
+            codes = _load_codes(w, layer, first, N, K, BLOCK_N, BLOCK_K, TMA)
             _wait(count_ptr, target, error_ptr)
         else:
             _wait(count_ptr, target, error_ptr)
-            w = _load_codes(w_ptr, first, K, BLOCK_N, BLOCK_K)
+            codes = _load_codes(w, layer, first, N, K, BLOCK_N, BLOCK_K, TMA)
         if ZERO_N > 0:
             _zero(zero_ptr, ZERO_N, pid, G)
         acc = tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32)
         if AHEAD:  # each item's codes loaded one item ahead, in registers (STAGES 1)
             for it in range(first, last + 1):
-                w_next = _load_codes(w_ptr, tl.minimum(it + 1, last), K, BLOCK_N, BLOCK_K)
-                acc = _item(acc, w, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
-                w = w_next
+                codes_next = _load_codes(w, layer, tl.minimum(it + 1, last), N, K, BLOCK_N, BLOCK_K, TMA)
+                acc = _item(acc, codes, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND,
+                            INTERPRET)
+                codes = codes_next
         else:
             if first <= last:
-                acc = _item(acc, w, first, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND,
+                acc = _item(acc, codes, first, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND,
                             INTERPRET)
             for it in tl.range(first + 1, last + 1, num_stages=STAGES):
-                acc = _item(acc, _load_codes(w_ptr, it, K, BLOCK_N, BLOCK_K), it, last, x_ptr, s_ptr, y_ptr, K, GLU,
-                            BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+                codes = _load_codes(w, layer, it, N, K, BLOCK_N, BLOCK_K, TMA)
+                acc = _item(acc, codes, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
         _arrive(count_ptr)
 
     @triton.jit
-    def _chain_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv_ptr, wo_ptr, w13_ptr, w2_ptr, sqkv_ptr, so_ptr, s13_ptr,
-                      s2_ptr, count_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
+    def _chain_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv, wo, w13, w2, sqkv_ptr, so_ptr, s13_ptr, s2_ptr,
+                      count_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                      AHEAD: tl.constexpr, PREFETCH: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+                      AHEAD: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, ROUND: tl.constexpr,
+                      INTERPRET: tl.constexpr):
         """The chain; qkv and o come zeroed. Each output buffer is zeroed for its
         next use, past a barrier after its last read, while a stage that neither reads
         nor writes it runs: y13 during qkv's stage, qkv during w13's, o during w2's.
@@ -167,19 +180,14 @@ if triton is not None:
         G = tl.num_programs(0)
         for layer in range(LAYERS):
             base = 4 * layer * G  # arrivals before this layer's first stage
-            # (word offsets of a layer's matrices fit int32 up to ~70 layers of these shapes)
-            _stage(h_ptr, wqkv_ptr + layer * (QKV * D // 4), sqkv_ptr + layer * QKV, qkv_ptr, y13_ptr, count_ptr,
-                   base, error_ptr, pid, G, QKV, D, 2 * I, False,
-                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
-            _stage(qkv_ptr, wo_ptr + layer * (D * D // 4), so_ptr + layer * D, o_ptr, o_ptr, count_ptr,
-                   base + G, error_ptr, pid, G, D, D, 0, False,
-                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
-            _stage(o_ptr, w13_ptr + layer * (2 * I * D // 4), s13_ptr + layer * 2 * I, y13_ptr, qkv_ptr, count_ptr,
-                   base + 2 * G, error_ptr, pid, G, 2 * I, D, QKV, False,
-                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
-            _stage(y13_ptr, w2_ptr + layer * (D * I // 4), s2_ptr + layer * D, h_ptr, o_ptr, count_ptr,
-                   base + 3 * G, error_ptr, pid, G, D, I, D, True,
-                   BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, ROUND, INTERPRET)
+            _stage(h_ptr, wqkv, layer, sqkv_ptr + layer * QKV, qkv_ptr, y13_ptr, count_ptr, base, error_ptr,
+                   pid, G, QKV, D, 2 * I, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
+            _stage(qkv_ptr, wo, layer, so_ptr + layer * D, o_ptr, o_ptr, count_ptr, base + G, error_ptr,
+                   pid, G, D, D, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
+            _stage(o_ptr, w13, layer, s13_ptr + layer * 2 * I, y13_ptr, qkv_ptr, count_ptr, base + 2 * G, error_ptr,
+                   pid, G, 2 * I, D, QKV, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
+            _stage(y13_ptr, w2, layer, s2_ptr + layer * D, h_ptr, o_ptr, count_ptr, base + 3 * G, error_ptr,
+                   pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
 
 
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
@@ -222,7 +230,7 @@ class Persistent:
     """The chain as one launch of `grid` programs, its buffers made once (a CUDA graph replays it)."""
 
     def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
-                 warps: int, stages: int, prefetch: bool, ahead: bool = False):
+                 warps: int, stages: int, prefetch: bool, ahead: bool = False, tma: bool = False):
         device = w["wqkv"].device
         self.w, self.d, self.qkv, self.inter, self.grid = w, d, qkv, inter, grid
         self.h = torch.zeros(d, device=device)
@@ -230,12 +238,17 @@ class Persistent:
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=gemv.dp4a_block(min(d, inter)),
-                         STAGES=stages, AHEAD=ahead, PREFETCH=prefetch, ROUND=not interpreted(),
+                         STAGES=stages, AHEAD=ahead, PREFETCH=prefetch, TMA=tma, ROUND=not interpreted(),
                          INTERPRET=interpreted(), num_warps=warps)
 
     def args(self):
         w = self.w
-        return (self.h, *self.bufs, *(w[n].view(torch.int32) for n in ("wqkv", "wo", "w13", "w2")),
+        codes = [w[n].view(torch.int32) for n in ("wqkv", "wo", "w13", "w2")]
+        if self.meta["TMA"]:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            block = [1, self.meta["BLOCK_N"], self.meta["BLOCK_K"] // 4]
+            codes = [TensorDescriptor.from_tensor(c, block) for c in codes]
+        return (self.h, *self.bufs, *codes,
                 *(w[n] for n in ("swqkv", "swo", "sw13", "sw2")), self.count, self.error, w["wqkv"].shape[0])
 
     def resident_programs(self) -> int:
@@ -267,13 +280,14 @@ def check_interpreted():
     d, qkv, inter, layers = 256, 384, 512, 2
     w = make_layers(layers, d, qkv, inter, "cpu")
     h0 = torch.randn(d)
-    for prefetch, ahead in ((False, False), (True, False), (True, True)):
+    for prefetch, ahead, tma in ((False, False, False), (True, False, False), (True, True, False),
+                                 (True, False, True)):
         run = Persistent(w, d, qkv, inter, grid=1, block_n=4, block_k=256, warps=4, stages=2, prefetch=prefetch,
-                         ahead=ahead)
+                         ahead=ahead, tma=tma)
         got = run(h0).double()
         ref = chain_reference(h0, w, d, inter, bf16_x=False)
         err = ((got - ref).norm() / ref.norm()).item()
-        print(f"interpreter, prefetch={prefetch}, ahead={ahead}: relative error {err:.2e} against fp64; "
+        print(f"interpreter, prefetch={prefetch}, ahead={ahead}, tma={tma}: relative error {err:.2e} against fp64; "
               f"barrier errors {int(run.error)}, arrivals {int(run.count)} (expected {4 * layers})")
         assert err < 3e-4 and int(run.error) == 0 and int(run.count) == 4 * layers
 
@@ -281,10 +295,11 @@ def check_interpreted():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--configs", default="16x1024x4x1,16x1024x4x1x1,8x1024x2x1,8x1024x2x1x1,32x1024x8x1,"
-                        "32x1024x8x1x1,16x512x4x1,16x512x2x1x1",
-                        help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes read an item ahead]")
-    parser.add_argument("--per_sm", default="2,4,8,16", help="programs a multiprocessor to try")
+    parser.add_argument("--configs", default="16x1024x4x1,16x1024x4x3x0x1,16x1024x4x4x0x1,16x1024x8x4x0x1,"
+                        "32x1024x8x3x0x1,8x1024x4x4x0x1,64x512x8x3x0x1,32x512x4x4x0x1",
+                        help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes read an item ahead "
+                        "[x 1: codes moved by TMA]]")
+    parser.add_argument("--per_sm", default="1,2,3,4", help="programs a multiprocessor to try")
     parser.add_argument("--prefetch", default="1", help="1: first codes read before each barrier; 0: after")
     args = parser.parse_args()
     if interpreted():
@@ -304,24 +319,31 @@ def main():
     print(f"read ceiling {ceiling:.0f} GB/s; {args.layers} layers, {nbytes / 1e6:.1f} MB of codes and scales; "
           f"|h| {h0.norm():.2f} -> {ref.norm():.2f} (fp64)")
 
-    def rel(y):
+    def rel(y, ref=ref):
         if not torch.isfinite(y).all():
             return float("nan")
         return ((y.double() - ref).norm() / ref.norm()).item()
+
+    # Random layers amplify differences: over 8 of them, 1e-5 apart per GEMV ends ~4e-2 apart.
+    # Each variant's error is also taken over one layer, where it is the kernels' own.
+    one = {k: v[:1] for k, v in w.items()}
+    ref_one = chain_reference(h0, one, d, inter)
 
     rows = []
     compiled = torch.compile(chain_separate, fullgraph=True, options={
         "triton.enable_pdl": True, "inductor_choices_class": OnePassReductions})
     got = separate = compiled(h0, w, d, inter).clone()
     us = time_us([lambda: compiled(h0, w, d, inter)], reps=4)
-    rows.append(("separate kernels (brisklm op, compiled, early launch)", us, rel(got), ""))
+    rows.append(("separate kernels (brisklm op, compiled, early launch)", us, rel(got),
+                 f"one layer: {rel(compiled(h0, one, d, inter), ref_one):.1e} from fp64"))
     print(*rows[-1], flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in args.configs.split(","):
-        block_n, block_k, warps, stages, ahead = (list(map(int, cfg.split("x"))) + [0])[:5]
+        block_n, block_k, warps, stages, ahead, tma = (list(map(int, cfg.split("x"))) + [0, 0])[:6]
         for per_sm in map(int, args.per_sm.split(",")):
             for prefetch in map(int, args.prefetch.split(",")):
-                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch, ahead)
+                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch, ahead,
+                                 tma)
                 fits = run.resident_programs()
                 if run.grid > fits:
                     rows.append((f"persistent {cfg}, {per_sm}/SM", float("nan"), float("nan"),
@@ -329,6 +351,8 @@ def main():
                     break
                 got = run(h0).clone()
                 torch.cuda.synchronize()
+                err_one = rel(Persistent(one, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch,
+                                         ahead, tma)(h0), ref_one)
                 name = f"persistent {cfg}, {per_sm}/SM, {'prefetch' if prefetch else 'no prefetch'}"
                 arrivals = 4 * args.layers * run.grid
                 if int(run.error) or int(run.count) != arrivals:
@@ -337,7 +361,8 @@ def main():
                     continue
                 apart = ((got - separate).norm() / separate.norm()).item()
                 rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got),
-                             f"{fits} programs fit; {apart:.1e} from the separate kernels' h"))
+                             f"{fits} programs fit; {apart:.1e} from the separate kernels' h; "
+                             f"one layer: {err_one:.1e} from fp64"))
                 print(*rows[-1], flush=True)
     print(f"\n| variant | us a layer | fraction of {ceiling:.0f} GB/s | relative error (fp64) | note |")
     print("| --- | --- | --- | --- | --- |")
