@@ -131,22 +131,28 @@ if triton is not None:
     def _stage(x_ptr, w, layer, s_ptr, y_ptr, zero_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
                K: tl.constexpr, ZERO_N: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                XB: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr,
-               TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+               TMA: tl.constexpr, ABLATE: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """y += (W x) * s for one matrix, after `target` arrivals; counts itself after.
         Once past the barrier it also zeroes its share of zero_ptr[:ZERO_N], for a later stage.
 
         Its (row tile, chunk of K) items are split evenly between the programs, in
         order, so a tile's chunks may fall to two programs: the row sums are added
         to y atomically (y zeroed beforehand). The loop over items is pipelined
-        STAGES deep (the loads run ahead through shared memory)."""
+        STAGES deep (the loads run ahead through shared memory).
+
+        ABLATE (a measurement, wrong results): 1 skips the barrier, 2 the GEMV."""
         ITEMS: tl.constexpr = N // BLOCK_N * (K // BLOCK_K)
         first = pid * ITEMS // G
         last = (pid + 1) * ITEMS // G - 1
+        if ABLATE == 2:
+            last = first - 1
         if PREFETCH:  # the first codes do not depend on the stage before: read them before the barrier
             codes = _load_codes(w, layer, first, N, K, BLOCK_N, BLOCK_K, TMA)
-            _wait(count_ptr, target, error_ptr)
+            if ABLATE != 1:
+                _wait(count_ptr, target, error_ptr)
         else:
-            _wait(count_ptr, target, error_ptr)
+            if ABLATE != 1:
+                _wait(count_ptr, target, error_ptr)
             codes = _load_codes(w, layer, first, N, K, BLOCK_N, BLOCK_K, TMA)
         if ZERO_N > 0:
             _zero(zero_ptr, ZERO_N, pid, G)
@@ -164,14 +170,15 @@ if triton is not None:
             for it in tl.range(first + 1, last + 1, num_stages=STAGES):
                 codes = _load_codes(w, layer, it, N, K, BLOCK_N, BLOCK_K, TMA)
                 acc = _item(acc, codes, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
-        _arrive(count_ptr)
+        if ABLATE != 1:
+            _arrive(count_ptr)
 
     @triton.jit
     def _chain_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv, wo, w13, w2, sqkv_ptr, so_ptr, s13_ptr, s2_ptr,
                       count_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                      AHEAD: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, ROUND: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      AHEAD: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, ABLATE: tl.constexpr,
+                      ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """The chain; qkv and o come zeroed. Each output buffer is zeroed for its
         next use, past a barrier after its last read, while a stage that neither reads
         nor writes it runs: y13 during qkv's stage, qkv during w13's, o during w2's.
@@ -181,13 +188,17 @@ if triton is not None:
         for layer in range(LAYERS):
             base = 4 * layer * G  # arrivals before this layer's first stage
             _stage(h_ptr, wqkv, layer, sqkv_ptr + layer * QKV, qkv_ptr, y13_ptr, count_ptr, base, error_ptr,
-                   pid, G, QKV, D, 2 * I, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
+                   pid, G, QKV, D, 2 * I, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   INTERPRET)
             _stage(qkv_ptr, wo, layer, so_ptr + layer * D, o_ptr, o_ptr, count_ptr, base + G, error_ptr,
-                   pid, G, D, D, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
+                   pid, G, D, D, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   INTERPRET)
             _stage(o_ptr, w13, layer, s13_ptr + layer * 2 * I, y13_ptr, qkv_ptr, count_ptr, base + 2 * G, error_ptr,
-                   pid, G, 2 * I, D, QKV, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
+                   pid, G, 2 * I, D, QKV, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   INTERPRET)
             _stage(y13_ptr, w2, layer, s2_ptr + layer * D, h_ptr, o_ptr, count_ptr, base + 3 * G, error_ptr,
-                   pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ROUND, INTERPRET)
+                   pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   INTERPRET)
 
 
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
@@ -230,7 +241,7 @@ class Persistent:
     """The chain as one launch of `grid` programs, its buffers made once (a CUDA graph replays it)."""
 
     def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
-                 warps: int, stages: int, prefetch: bool, ahead: bool = False, tma: bool = False):
+                 warps: int, stages: int, prefetch: bool, ahead: bool = False, tma: bool = False, ablate: int = 0):
         device = w["wqkv"].device
         self.w, self.d, self.qkv, self.inter, self.grid = w, d, qkv, inter, grid
         self.h = torch.zeros(d, device=device)
@@ -238,7 +249,7 @@ class Persistent:
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=gemv.dp4a_block(min(d, inter)),
-                         STAGES=stages, AHEAD=ahead, PREFETCH=prefetch, TMA=tma, ROUND=not interpreted(),
+                         STAGES=stages, AHEAD=ahead, PREFETCH=prefetch, TMA=tma, ABLATE=ablate, ROUND=not interpreted(),
                          INTERPRET=interpreted(), num_warps=warps)
 
     def args(self):
@@ -298,7 +309,7 @@ def main():
     parser.add_argument("--configs", default="16x1024x4x1,16x1024x4x3x0x1,16x1024x4x4x0x1,16x1024x8x4x0x1,"
                         "32x1024x8x3x0x1,8x1024x4x4x0x1,64x512x8x3x0x1,32x512x4x4x0x1",
                         help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes read an item ahead "
-                        "[x 1: codes moved by TMA]]")
+                        "[x 1: codes moved by TMA [x 1: no barriers, 2: no GEMVs (measurements)]]]")
     parser.add_argument("--per_sm", default="1,2,3,4", help="programs a multiprocessor to try")
     parser.add_argument("--prefetch", default="1", help="1: first codes read before each barrier; 0: after")
     args = parser.parse_args()
@@ -337,13 +348,20 @@ def main():
     rows.append(("separate kernels (brisklm op, compiled, early launch)", us, rel(got),
                  f"one layer: {rel(compiled(h0, one, d, inter), ref_one):.1e} from fp64"))
     print(*rows[-1], flush=True)
+    # brisklm's GEMV kernels alone, back to back (each on a fixed x: no sums, no dependencies)
+    x16 = {n: torch.randn(w[n].shape[-1], device="cuda", dtype=torch.bfloat16) for n in ("wqkv", "wo", "w13", "w2")}
+    launches = [lambda n=n, layer=layer: gemv.scaled_gemv(x16[n], w[n][layer])
+                for layer in range(args.layers) for n in ("wqkv", "wo", "w13", "w2")]
+    rows.append(("brisklm's GEMV kernels alone, back to back (early launch)",
+                 time_us([lambda: [f() for f in launches]], reps=2), float("nan"), "no sums, x not chained"))
+    print(*rows[-1], flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cfg in args.configs.split(","):
-        block_n, block_k, warps, stages, ahead, tma = (list(map(int, cfg.split("x"))) + [0, 0])[:6]
+        block_n, block_k, warps, stages, ahead, tma, ablate = (list(map(int, cfg.split("x"))) + [0, 0, 0])[:7]
         for per_sm in map(int, args.per_sm.split(",")):
             for prefetch in map(int, args.prefetch.split(",")):
                 run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch, ahead,
-                                 tma)
+                                 tma, ablate)
                 fits = run.resident_programs()
                 if run.grid > fits:
                     rows.append((f"persistent {cfg}, {per_sm}/SM", float("nan"), float("nan"),
@@ -352,9 +370,9 @@ def main():
                 got = run(h0).clone()
                 torch.cuda.synchronize()
                 err_one = rel(Persistent(one, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch,
-                                         ahead, tma)(h0), ref_one)
+                                         ahead, tma, ablate)(h0), ref_one)
                 name = f"persistent {cfg}, {per_sm}/SM, {'prefetch' if prefetch else 'no prefetch'}"
-                arrivals = 4 * args.layers * run.grid
+                arrivals = 4 * args.layers * run.grid * (ablate != 1)
                 if int(run.error) or int(run.count) != arrivals:
                     rows.append((name, float("nan"), rel(got), f"barrier errors {int(run.error)}, "
                                  f"arrivals {int(run.count)} of {arrivals}: not timed"))
