@@ -90,13 +90,18 @@ if triton is not None:
 
     @triton.jit
     def _load_codes(w, layer, it, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    TMA: tl.constexpr):
+                    TMA: tl.constexpr, CHUNK_MAJOR_TILES: tl.constexpr = 0):
         """Work item `it` of a stage: rows (it // CHUNKS) * BLOCK_N + ..., the (it % CHUNKS)-th
         BLOCK_K of K, of the layer's matrix in w (codes as int32 words, (layers, N, K / 4)): a
-        pointer, or with TMA a tensor descriptor (the copy engine moves the tile)."""
+        pointer, or with TMA a tensor descriptor (the copy engine moves the tile). Items chunk-major
+        (CHUNK_MAJOR_TILES: tiles a chunk): tile it % TILES, chunk it // TILES."""
         CHUNKS: tl.constexpr = K // BLOCK_K
-        row0 = (it // CHUNKS) * BLOCK_N
-        word0 = (it % CHUNKS) * (BLOCK_K // 4)
+        if CHUNK_MAJOR_TILES:
+            row0 = (it % CHUNK_MAJOR_TILES) * BLOCK_N
+            word0 = (it // CHUNK_MAJOR_TILES) * (BLOCK_K // 4)
+        else:
+            row0 = (it // CHUNKS) * BLOCK_N
+            word0 = (it % CHUNKS) * (BLOCK_K // 4)
         if TMA:
             codes = w.load([layer, row0, word0]).reshape(BLOCK_N, BLOCK_K // 4)
         else:
@@ -201,6 +206,114 @@ if triton is not None:
                    INTERPRET)
 
 
+    # The dataflow variant: no grid barriers. A stage's items run chunk by chunk
+    # of K (all tiles of chunk 0, then of chunk 1, ...), so the items of one
+    # program share one or two chunks of x: it waits only for those rows of the
+    # stage before, and makes x's planes once a chunk instead of once an item.
+    # Each output row block of BLOCK_K rows has a counter of the items added into
+    # it (released by the program after its atomic adds); the next stage's chunk
+    # c waits for counter c to reach its tiles times the producer's chunks. Every
+    # buffer is per layer (no reuse, so no hazards between layers).
+
+    @triton.jit
+    def _release(flag_ptr, count):
+        tl.debug_barrier()  # every thread's atomic adds issued before the count
+        tl.atomic_add(flag_ptr, count, sem="release", scope="gpu")
+
+    @triton.jit
+    def _chunk_planes(x_ptr, k0, K: tl.constexpr, GLU: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
+                      ROUND: tl.constexpr):
+        """x's planes for inputs k0 .. k0 + BLOCK_K, as (BLOCKS, WPB) words and a step per block."""
+        BLOCKS: tl.constexpr = BLOCK_K // XB
+        WPB: tl.constexpr = XB // 4
+        offs = k0 + tl.arange(0, BLOCK_K)
+        if GLU:
+            gate = tl.load(x_ptr + offs, cache_modifier=".cg")
+            xf = gate / (1 + tl.exp(-gate)) * tl.load(x_ptr + K + offs, cache_modifier=".cg")
+        else:
+            xf = tl.load(x_ptr + offs, cache_modifier=".cg")
+        if ROUND:
+            xf = xf.to(tl.bfloat16).to(tl.float32)
+        hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
+        return _as_words(tl.reshape(hi, (BLOCKS, WPB, 4))), _as_words(tl.reshape(lo, (BLOCKS, WPB, 4))), step
+
+    @triton.jit
+    def _flow_item(codes, tile, c, x_hi, x_lo, step, s_ptr, y_ptr, res_ptr, RES: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, XB: tl.constexpr, INTERPRET: tl.constexpr):
+        """One item: rows of `tile` times chunk c of x, added to y."""
+        BLOCKS: tl.constexpr = BLOCK_K // XB
+        WPB: tl.constexpr = XB // 4
+        d = tl.sum(_int8_word_dot(tl.reshape(codes, (BLOCK_N, BLOCKS, WPB)), x_hi[None], x_lo[None], INTERPRET),
+                   axis=2).to(tl.float32)
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = tl.sum(d * (step * (1 / 254))[None, :], axis=1) * tl.load(s_ptr + rows)
+        if RES:  # the residual, added once a row: with chunk 0
+            y += tl.where(c == 0, tl.load(res_ptr + rows, cache_modifier=".cg"), 0.0)
+        tl.atomic_add(y_ptr + rows, y, sem="relaxed")
+
+    @triton.jit
+    def _flow_stage(x_ptr, xflag_ptr, x_expect, w, layer, s_ptr, y_ptr, yflag_ptr, res_ptr, error_ptr, pid, G,
+                    N: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr, UP_FLAGS: tl.constexpr, RES: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
+                    TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """y += (W x) * s (+ res): items chunk-major, split evenly between the programs."""
+        TILES: tl.constexpr = N // BLOCK_N
+        ITEMS: tl.constexpr = TILES * (K // BLOCK_K)
+        TPF: tl.constexpr = BLOCK_K // BLOCK_N  # tiles a row block
+        first = pid * ITEMS // G
+        last = (pid + 1) * ITEMS // G - 1
+        for c in range(first // TILES, last // TILES + 1):
+            t0 = tl.maximum(first, c * TILES) - c * TILES  # this program's tiles of chunk c
+            t1 = tl.minimum(last, c * TILES + TILES - 1) - c * TILES
+            codes = _load_codes(w, layer, c * TILES + t0, N, K, BLOCK_N, BLOCK_K, TMA, TILES)  # before the wait
+            _wait(xflag_ptr + c, x_expect, error_ptr)
+            if GLU:
+                _wait(xflag_ptr + UP_FLAGS + c, x_expect, error_ptr)
+            x_hi, x_lo, step = _chunk_planes(x_ptr, c * BLOCK_K, K, GLU, BLOCK_K, XB, ROUND)
+            _flow_item(codes, t0, c, x_hi, x_lo, step, s_ptr, y_ptr, res_ptr, RES, BLOCK_N, BLOCK_K, XB, INTERPRET)
+            # The rest row block by row block: each block's count released after its
+            # items (a thread barrier in the pipelined loop would stop its pipelining).
+            for block in range(t0 // TPF, t1 // TPF + 1):
+                block_last = tl.minimum(t1, block * TPF + TPF - 1)
+                for t in tl.range(tl.maximum(t0 + 1, block * TPF), block_last + 1, num_stages=STAGES):
+                    codes = _load_codes(w, layer, c * TILES + t, N, K, BLOCK_N, BLOCK_K, TMA, TILES)
+                    _flow_item(codes, t, c, x_hi, x_lo, step, s_ptr, y_ptr, res_ptr, RES, BLOCK_N, BLOCK_K, XB,
+                               INTERPRET)
+                _release(yflag_ptr + block, block_last - tl.maximum(t0, block * TPF) + 1)
+
+
+    @triton.jit
+    def _flow_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv, wo, w13, w2, sqkv_ptr, so_ptr, s13_ptr, s2_ptr,
+                     flag_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
+                     TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """The chain by dataflow. Buffers (zeroed, but h[0] = the input): h (LAYERS + 1, D),
+        qkv (LAYERS, QKV), o (LAYERS, D), y13 (LAYERS, 2I); flags (LAYERS, 4, FLAGS), one set
+        for each of qkv, o, y13 and the next h, a counter per BLOCK_K rows."""
+        FLAGS: tl.constexpr = 2 * I // BLOCK_K
+        TPF: tl.constexpr = BLOCK_K // BLOCK_N
+        pid = tl.program_id(0)
+        G = tl.num_programs(0)
+        for layer in range(LAYERS):
+            flags = flag_ptr + layer * 4 * FLAGS
+            h_in = h_ptr + layer * D
+            # the h of this layer: the input, or the last layer's w2 stage (chunks of I)
+            h_flags = flag_ptr + (tl.maximum(layer, 1) - 1) * 4 * FLAGS + 3 * FLAGS
+            h_expect = tl.where(layer > 0, TPF * (I // BLOCK_K), 0)
+            _flow_stage(h_in, h_flags, h_expect, wqkv, layer, sqkv_ptr + layer * QKV, qkv_ptr + layer * QKV, flags,
+                        h_in, error_ptr, pid, G, QKV, D, False, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND,
+                        INTERPRET)
+            _flow_stage(qkv_ptr + layer * QKV, flags, TPF * (D // BLOCK_K), wo, layer, so_ptr + layer * D,
+                        o_ptr + layer * D, flags + FLAGS, h_in, error_ptr, pid, G, D, D, False, 0, False, BLOCK_N,
+                        BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
+            _flow_stage(o_ptr + layer * D, flags + FLAGS, TPF * (D // BLOCK_K), w13, layer, s13_ptr + layer * 2 * I,
+                        y13_ptr + layer * 2 * I, flags + 2 * FLAGS, h_in, error_ptr, pid, G, 2 * I, D, False, 0,
+                        False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
+            _flow_stage(y13_ptr + layer * 2 * I, flags + 2 * FLAGS, TPF * (D // BLOCK_K), w2, layer,
+                        s2_ptr + layer * D, h_in + D, flags + 3 * FLAGS, h_in, error_ptr, pid, G, D, I, True,
+                        I // BLOCK_K, True, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
+
+
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
     """int8 codes and row scales for each matrix, stacked by layer; weights ~ N(0, 1/K) keep |h| steady."""
     out = {}
@@ -248,9 +361,11 @@ class Persistent:
         self.bufs = [torch.zeros(n, device=device) for n in (qkv, d, 2 * inter)]
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
-        self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=gemv.dp4a_block(min(d, inter)),
+        xb = min(gemv.dp4a_block(min(d, inter)), block_k)
+        self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=xb,
                          STAGES=stages, AHEAD=ahead, PREFETCH=prefetch, TMA=tma, ABLATE=ablate, ROUND=not interpreted(),
                          INTERPRET=interpreted(), num_warps=warps)
+        self.kernel = _chain_kernel
 
     def args(self):
         w = self.w
@@ -264,7 +379,7 @@ class Persistent:
 
     def resident_programs(self) -> int:
         """How many programs of this kernel fit on the GPU at once (registers, shared memory, threads)."""
-        kernel = _chain_kernel.warmup(*self.args(), grid=(1,), **self.meta)
+        kernel = self.kernel.warmup(*self.args(), grid=(1,), **self.meta)
         kernel._init_handles()
         props = torch.cuda.get_device_properties(self.h.device)
         threads = 32 * self.meta["num_warps"]
@@ -284,6 +399,45 @@ class Persistent:
         return self.h
 
 
+class Flow(Persistent):
+    """The chain by dataflow (_flow_kernel): buffers per layer, counters per row block."""
+
+    def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
+                 warps: int, stages: int, tma: bool = False):
+        super().__init__(w, d, qkv, inter, grid, block_n, block_k, warps, stages, True, tma=tma)
+        layers, device = w["wqkv"].shape[0], w["wqkv"].device
+        self.hs = torch.zeros(layers + 1, d, device=device)
+        self.bufs = [torch.zeros(layers, n, device=device) for n in (qkv, d, 2 * inter)]
+        self.flags = torch.zeros(layers, 4, 2 * inter // block_k, dtype=torch.int32, device=device)
+        self.meta = {k: v for k, v in self.meta.items() if k not in ("AHEAD", "PREFETCH", "ABLATE")}
+        self.kernel = _flow_kernel
+
+    def args(self):
+        args = super().args()
+        return (self.hs, *self.bufs, *args[4:12], self.flags, self.error, args[-1])
+
+    def __call__(self, h0: torch.Tensor) -> torch.Tensor:
+        self.hs.zero_()
+        self.hs[0].copy_(h0)
+        for b in self.bufs:
+            b.zero_()
+        self.flags.zero_()
+        _flow_kernel[(self.grid,)](*self.args(), **self.meta)
+        return self.hs[-1]
+
+    def arrivals_ok(self) -> bool:
+        """Every counter at its full count: each row block's tiles times the producer's chunks."""
+        bk = self.meta["BLOCK_K"]
+        tpf = bk // self.meta["BLOCK_N"]
+        want = [(self.qkv // bk, self.d // bk), (self.d // bk, self.d // bk), (2 * self.inter // bk, self.d // bk),
+                (self.d // bk, self.inter // bk)]
+        for s, (blocks, chunks) in enumerate(want):
+            f = self.flags[:, s, :blocks]
+            if not bool((f == tpf * chunks).all()) or bool(self.flags[:, s, blocks:].any()):
+                return False
+        return True
+
+
 def check_interpreted():
     """The persistent chain's math on a tiny model, one program, against fp64: 8 GEMVs in a chain,
     each within ~3e-5 (x's planes; brisklm's op gives 2.8e-5 on the same matrix)."""
@@ -301,6 +455,14 @@ def check_interpreted():
         print(f"interpreter, prefetch={prefetch}, ahead={ahead}, tma={tma}: relative error {err:.2e} against fp64; "
               f"barrier errors {int(run.error)}, arrivals {int(run.count)} (expected {4 * layers})")
         assert err < 3e-4 and int(run.error) == 0 and int(run.count) == 4 * layers
+    for tma in (False, True):
+        run = Flow(w, d, qkv, inter, grid=1, block_n=4, block_k=128, warps=4, stages=2, tma=tma)
+        got = run(h0).double()
+        ref = chain_reference(h0, w, d, inter, bf16_x=False)
+        err = ((got - ref).norm() / ref.norm()).item()
+        print(f"interpreter, dataflow, tma={tma}: relative error {err:.2e} against fp64; "
+              f"wait errors {int(run.error)}, counters complete: {run.arrivals_ok()}")
+        assert err < 3e-4 and int(run.error) == 0 and run.arrivals_ok()
 
 
 def main():
@@ -310,6 +472,8 @@ def main():
                         "32x1024x8x3x0x1,8x1024x4x4x0x1,64x512x8x3x0x1,32x512x4x4x0x1",
                         help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes read an item ahead "
                         "[x 1: codes moved by TMA [x 1: no barriers, 2: no GEMVs (measurements)]]]")
+    parser.add_argument("--flow_configs", default="16x1024x4x3x1,64x512x8x3x1,32x512x4x4x1,16x1024x4x1x0",
+                        help="the dataflow kernel's BLOCK_N x BLOCK_K x warps x pipeline stages x TMA (0 or 1)")
     parser.add_argument("--per_sm", default="1,2,3,4", help="programs a multiprocessor to try")
     parser.add_argument("--prefetch", default="1", help="1: first codes read before each barrier; 0: after")
     args = parser.parse_args()
@@ -382,6 +546,29 @@ def main():
                              f"{fits} programs fit; {apart:.1e} from the separate kernels' h; "
                              f"one layer: {err_one:.1e} from fp64"))
                 print(*rows[-1], flush=True)
+    for cfg in args.flow_configs.split(",") if args.flow_configs else []:
+        block_n, block_k, warps, stages, tma = map(int, cfg.split("x"))
+        for per_sm in map(int, args.per_sm.split(",")):
+            run = Flow(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma))
+            fits = run.resident_programs()
+            name = f"dataflow {cfg}, {per_sm}/SM"
+            if run.grid > fits:
+                rows.append((name, float("nan"), float("nan"), f"not resident ({fits} fit)"))
+                break
+            got = run(h0).clone()
+            torch.cuda.synchronize()
+            if int(run.error) or not run.arrivals_ok():
+                rows.append((name, float("nan"), rel(got), f"wait errors {int(run.error)}, counters complete: "
+                             f"{run.arrivals_ok()}: not timed"))
+                print(*rows[-1], flush=True)
+                continue
+            err_one = rel(Flow(one, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma))(h0),
+                          ref_one)
+            apart = ((got - separate).norm() / separate.norm()).item()
+            rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got),
+                         f"{fits} programs fit; {apart:.1e} from the separate kernels' h; "
+                         f"one layer: {err_one:.1e} from fp64"))
+            print(*rows[-1], flush=True)
     print(f"\n| variant | us a layer | fraction of {ceiling:.0f} GB/s | relative error (fp64) | note |")
     print("| --- | --- | --- | --- | --- |")
     for name, us, err, note in rows:
