@@ -520,7 +520,7 @@ def main():
                  time_us([lambda: [f() for f in launches]], reps=2), float("nan"), "no sums, x not chained"))
     print(*rows[-1], flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in args.configs.split(","):
+    for cfg in args.configs.split(",") if args.configs else []:
         block_n, block_k, warps, stages, ahead, tma, ablate = (list(map(int, cfg.split("x"))) + [0, 0, 0])[:7]
         for per_sm in map(int, args.per_sm.split(",")):
             for prefetch in map(int, args.prefetch.split(",")):
