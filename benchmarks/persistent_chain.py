@@ -251,12 +251,28 @@ if triton is not None:
             y += tl.where(c == 0, tl.load(res_ptr + rows, cache_modifier=".cg"), 0.0)
         tl.atomic_add(y_ptr + rows, y, sem="relaxed")
 
+    PREFETCH_L2 = tl.constexpr("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;")
+
+    @triton.jit
+    def _prefetch_tiles(w, layer, c, t_from, t_to, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, COUNT: tl.constexpr, INTERPRET: tl.constexpr):
+        """Ask L2 for the codes of tiles t_from .. t_from + COUNT - 1 (up to t_to) of chunk c:
+        issued while a program waits, when the memory would otherwise idle."""
+        if not INTERPRET:
+            tiles = t_from + tl.arange(0, COUNT)
+            rows = tiles[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            lines = c * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 128) * 32  # a word offset per 128-byte line
+            offsets = layer * (N * K // 4) + rows.to(tl.int64)[:, :, None] * (K // 4) + lines[None, None, :]
+            offsets = tl.where((tiles <= t_to)[:, None, None], offsets, 0)
+            tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [w + offsets], dtype=tl.int32, is_pure=False, pack=1)
+
     @triton.jit
     def _flow_stage(x_ptr, xflag_ptr, x_expect, w, layer, s_ptr, y_ptr, yflag_ptr, res_ptr, error_ptr, pid, G,
                     N: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr, UP_FLAGS: tl.constexpr, RES: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                    TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
-        """y += (W x) * s (+ res): items chunk-major, split evenly between the programs."""
+                    TMA: tl.constexpr, PF: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """y += (W x) * s (+ res): items chunk-major, split evenly between the programs.
+        PF: tiles after the first asked of L2 before the wait (not with TMA)."""
         TILES: tl.constexpr = N // BLOCK_N
         ITEMS: tl.constexpr = TILES * (K // BLOCK_K)
         TPF: tl.constexpr = BLOCK_K // BLOCK_N  # tiles a row block
@@ -266,6 +282,8 @@ if triton is not None:
             t0 = tl.maximum(first, c * TILES) - c * TILES  # this program's tiles of chunk c
             t1 = tl.minimum(last, c * TILES + TILES - 1) - c * TILES
             codes = _load_codes(w, layer, c * TILES + t0, N, K, BLOCK_N, BLOCK_K, TMA, TILES)  # before the wait
+            if PF > 0:
+                _prefetch_tiles(w, layer, c, t0 + 1, t1, N, K, BLOCK_N, BLOCK_K, PF, INTERPRET)
             _wait(xflag_ptr + c, x_expect, error_ptr)
             if GLU:
                 _wait(xflag_ptr + UP_FLAGS + c, x_expect, error_ptr)
@@ -286,7 +304,7 @@ if triton is not None:
     def _flow_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv, wo, w13, w2, sqkv_ptr, so_ptr, s13_ptr, s2_ptr,
                      flag_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                     TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+                     TMA: tl.constexpr, PF: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """The chain by dataflow. Buffers (zeroed, but h[0] = the input): h (LAYERS + 1, D),
         qkv (LAYERS, QKV), o (LAYERS, D), y13 (LAYERS, 2I); flags (LAYERS, 4, FLAGS), one set
         for each of qkv, o, y13 and the next h, a counter per BLOCK_K rows."""
@@ -301,17 +319,17 @@ if triton is not None:
             h_flags = flag_ptr + (tl.maximum(layer, 1) - 1) * 4 * FLAGS + 3 * FLAGS
             h_expect = tl.where(layer > 0, TPF * (I // BLOCK_K), 0)
             _flow_stage(h_in, h_flags, h_expect, wqkv, layer, sqkv_ptr + layer * QKV, qkv_ptr + layer * QKV, flags,
-                        h_in, error_ptr, pid, G, QKV, D, False, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND,
-                        INTERPRET)
+                        h_in, error_ptr, pid, G, QKV, D, False, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, PF,
+                        ROUND, INTERPRET)
             _flow_stage(qkv_ptr + layer * QKV, flags, TPF * (D // BLOCK_K), wo, layer, so_ptr + layer * D,
                         o_ptr + layer * D, flags + FLAGS, h_in, error_ptr, pid, G, D, D, False, 0, False, BLOCK_N,
-                        BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
+                        BLOCK_K, XB, STAGES, TMA, PF, ROUND, INTERPRET)
             _flow_stage(o_ptr + layer * D, flags + FLAGS, TPF * (D // BLOCK_K), w13, layer, s13_ptr + layer * 2 * I,
                         y13_ptr + layer * 2 * I, flags + 2 * FLAGS, h_in, error_ptr, pid, G, 2 * I, D, False, 0,
-                        False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
+                        False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, PF, ROUND, INTERPRET)
             _flow_stage(y13_ptr + layer * 2 * I, flags + 2 * FLAGS, TPF * (D // BLOCK_K), w2, layer,
                         s2_ptr + layer * D, h_in + D, flags + 3 * FLAGS, h_in, error_ptr, pid, G, D, I, True,
-                        I // BLOCK_K, True, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
+                        I // BLOCK_K, True, BLOCK_N, BLOCK_K, XB, STAGES, TMA, PF, ROUND, INTERPRET)
 
 
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
@@ -403,13 +421,14 @@ class Flow(Persistent):
     """The chain by dataflow (_flow_kernel): buffers per layer, counters per row block."""
 
     def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
-                 warps: int, stages: int, tma: bool = False):
+                 warps: int, stages: int, tma: bool = False, prefetch_tiles: int = 0):
         super().__init__(w, d, qkv, inter, grid, block_n, block_k, warps, stages, True, tma=tma)
         layers, device = w["wqkv"].shape[0], w["wqkv"].device
         self.hs = torch.zeros(layers + 1, d, device=device)
         self.bufs = [torch.zeros(layers, n, device=device) for n in (qkv, d, 2 * inter)]
         self.flags = torch.zeros(layers, 4, 2 * inter // block_k, dtype=torch.int32, device=device)
         self.meta = {k: v for k, v in self.meta.items() if k not in ("AHEAD", "PREFETCH", "ABLATE")}
+        self.meta["PF"] = 0 if tma else prefetch_tiles
         self.kernel = _flow_kernel
 
     def args(self):
@@ -456,7 +475,7 @@ def check_interpreted():
               f"barrier errors {int(run.error)}, arrivals {int(run.count)} (expected {4 * layers})")
         assert err < 3e-4 and int(run.error) == 0 and int(run.count) == 4 * layers
     for tma in (False, True):
-        run = Flow(w, d, qkv, inter, grid=1, block_n=4, block_k=128, warps=4, stages=2, tma=tma)
+        run = Flow(w, d, qkv, inter, grid=1, block_n=4, block_k=128, warps=4, stages=2, tma=tma, prefetch_tiles=4)
         got = run(h0).double()
         ref = chain_reference(h0, w, d, inter, bf16_x=False)
         err = ((got - ref).norm() / ref.norm()).item()
@@ -473,7 +492,8 @@ def main():
                         help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes read an item ahead "
                         "[x 1: codes moved by TMA [x 1: no barriers, 2: no GEMVs (measurements)]]]")
     parser.add_argument("--flow_configs", default="16x1024x4x3x1,64x512x8x3x1,32x512x4x4x1,16x1024x4x1x0",
-                        help="the dataflow kernel's BLOCK_N x BLOCK_K x warps x pipeline stages x TMA (0 or 1)")
+                        help="the dataflow kernel's BLOCK_N x BLOCK_K x warps x pipeline stages x TMA (0 or 1) "
+                        "[x tiles asked of L2 before each wait]")
     parser.add_argument("--per_sm", default="1,2,3,4", help="programs a multiprocessor to try")
     parser.add_argument("--prefetch", default="1", help="1: first codes read before each barrier; 0: after")
     args = parser.parse_args()
@@ -547,9 +567,9 @@ def main():
                              f"one layer: {err_one:.1e} from fp64"))
                 print(*rows[-1], flush=True)
     for cfg in args.flow_configs.split(",") if args.flow_configs else []:
-        block_n, block_k, warps, stages, tma = map(int, cfg.split("x"))
+        block_n, block_k, warps, stages, tma, pf = (list(map(int, cfg.split("x"))) + [0])[:6]
         for per_sm in map(int, args.per_sm.split(",")):
-            run = Flow(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma))
+            run = Flow(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma), pf)
             fits = run.resident_programs()
             name = f"dataflow {cfg}, {per_sm}/SM"
             if run.grid > fits:
@@ -562,7 +582,7 @@ def main():
                              f"{run.arrivals_ok()}: not timed"))
                 print(*rows[-1], flush=True)
                 continue
-            err_one = rel(Flow(one, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma))(h0),
+            err_one = rel(Flow(one, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma), pf)(h0),
                           ref_one)
             apart = ((got - separate).norm() / separate.norm()).item()
             rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got),
