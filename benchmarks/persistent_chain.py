@@ -5,38 +5,48 @@ Between two GEMVs of a decode step the memory idles: the next kernel starts
 only when the last program of the one before it ends, and the small kernels
 between (sums, norms, attention) read almost nothing. Early launch
 (programmatic dependent launch) overlaps only a kernel's start with its
-predecessor's end, and reading the next kernel's first weights before its
-wait measured slower (2026-11-30). In one persistent kernel (a program per
-resident slot, all resident at once) the programs pass each stage boundary at
-a grid barrier, and each can read its first weights of the next stage before
-it waits there: the weights depend on nothing, so the memory keeps streaming
-across the boundary. The question this answers before anyone builds a fused
-decode layer: how close to the read ceiling does a chain of GEMVs get that
-way, against separate kernels?
+predecessor's end. In one persistent kernel (a program per resident slot, all
+resident at once) the programs pass each stage boundary on the device, and
+each can read its first weights of the next stage before it waits there: the
+weights depend on nothing, so the memory keeps streaming across the boundary.
+The question this answers before anyone builds a fused decode layer: how
+close to the read ceiling does a chain of GEMVs get that way, against
+separate kernels?
 
 The chain, per layer of the Llama-3.1-8B shapes, int8 codes with a scale per
-row (dp4a, x's planes made by each program as in brisklm's kernel):
+row (dp4a, x's planes as in brisklm's kernel):
 
     qkv = Wqkv h;  o = Wo qkv[:4096];  y = W13 o;  h += W2 (silu(y[:14336]) * y[14336:])
 
 (attention and the norms left out: the chain measures the GEMVs and their
-boundaries). The baseline is brisklm's int8 GEMV op with its tuned blocks,
-the split-K sums, scales and silu * up fused by inductor, compiled as the
-decode step is (early launch, one CUDA graph).
+boundaries). Against it:
+- separate kernels: brisklm's int8 GEMV op with its tuned blocks, the split-K
+  sums, scales and silu * up fused by inductor, compiled as the decode step
+  is (early launch, one CUDA graph); and brisklm's GEMVs alone, back to back.
+- barriers (_chain_kernel): a stage's (row tile, chunk of K) items split
+  evenly between the programs, sums added atomically; between stages a grid
+  barrier (each program adds 1 to a counter, release, then polls it, acquire);
+  the first codes of the next stage read before it. Ablations, for the cost of
+  each part: no barriers, or no GEMVs (wrong results).
+- dataflow (_flow_kernel): no barriers; items in chunk-major order, so a
+  program waits only for the rows of x its chunk needs, counted per block of
+  output rows by their producers (see the comment above _release).
+Codes are read by every thread, or moved by TMA (tensor descriptors) in a
+pipelined loop.
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/persistent_chain.py [--layers 8]
+    PYTHONPATH=.:benchmarks python3 benchmarks/persistent_chain.py [--layers 8] [--configs ...]
 
-The persistent kernel's barrier: each program adds 1 to a counter after a
-stage (release) and, before the next, polls it (acquire) until every program
-has; a poll limit turns a hang (a grid larger than what can be resident) into
-an error flag. Under TRITON_INTERPRET=1 the script checks the math on a tiny
+A poll limit turns a hang (a grid larger than what can be resident) into an
+error flag. Random layers grow h (|h| 63 to 2.7e7 over 8 layers) and amplify
+differences (implementations 1e-5 apart per GEMV end ~4e-2 apart), so each
+variant's error against fp64 is also taken over one layer, where it is the
+kernels' own. Under TRITON_INTERPRET=1 the script checks the math on a tiny
 model with one program (programs run one after another there: a barrier
 between several would never open).
 """
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
@@ -135,7 +145,7 @@ if triton is not None:
     @triton.jit
     def _stage(x_ptr, w, layer, s_ptr, y_ptr, zero_ptr, count_ptr, target, error_ptr, pid, G, N: tl.constexpr,
                K: tl.constexpr, ZERO_N: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               XB: tl.constexpr, STAGES: tl.constexpr, AHEAD: tl.constexpr, PREFETCH: tl.constexpr,
+               XB: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
                TMA: tl.constexpr, ABLATE: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """y += (W x) * s for one matrix, after `target` arrivals; counts itself after.
         Once past the barrier it also zeroes its share of zero_ptr[:ZERO_N], for a later stage.
@@ -162,19 +172,11 @@ if triton is not None:
         if ZERO_N > 0:
             _zero(zero_ptr, ZERO_N, pid, G)
         acc = tl.zeros((BLOCK_N, BLOCK_K // XB), tl.float32)
-        if AHEAD:  # each item's codes loaded one item ahead, in registers (STAGES 1)
-            for it in range(first, last + 1):
-                codes_next = _load_codes(w, layer, tl.minimum(it + 1, last), N, K, BLOCK_N, BLOCK_K, TMA)
-                acc = _item(acc, codes, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND,
-                            INTERPRET)
-                codes = codes_next
-        else:
-            if first <= last:
-                acc = _item(acc, codes, first, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND,
-                            INTERPRET)
-            for it in tl.range(first + 1, last + 1, num_stages=STAGES):
-                codes = _load_codes(w, layer, it, N, K, BLOCK_N, BLOCK_K, TMA)
-                acc = _item(acc, codes, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        if first <= last:
+            acc = _item(acc, codes, first, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        for it in tl.range(first + 1, last + 1, num_stages=STAGES):
+            codes = _load_codes(w, layer, it, N, K, BLOCK_N, BLOCK_K, TMA)
+            acc = _item(acc, codes, it, last, x_ptr, s_ptr, y_ptr, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
         if ABLATE != 1:
             _arrive(count_ptr)
 
@@ -182,7 +184,7 @@ if triton is not None:
     def _chain_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv, wo, w13, w2, sqkv_ptr, so_ptr, s13_ptr, s2_ptr,
                       count_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                      AHEAD: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr, ABLATE: tl.constexpr,
+                      PREFETCH: tl.constexpr, TMA: tl.constexpr, ABLATE: tl.constexpr,
                       ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """The chain; qkv and o come zeroed. Each output buffer is zeroed for its
         next use, past a barrier after its last read, while a stage that neither reads
@@ -193,16 +195,16 @@ if triton is not None:
         for layer in range(LAYERS):
             base = 4 * layer * G  # arrivals before this layer's first stage
             _stage(h_ptr, wqkv, layer, sqkv_ptr + layer * QKV, qkv_ptr, y13_ptr, count_ptr, base, error_ptr,
-                   pid, G, QKV, D, 2 * I, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   pid, G, QKV, D, 2 * I, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, TMA, ABLATE, ROUND,
                    INTERPRET)
             _stage(qkv_ptr, wo, layer, so_ptr + layer * D, o_ptr, o_ptr, count_ptr, base + G, error_ptr,
-                   pid, G, D, D, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   pid, G, D, D, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, TMA, ABLATE, ROUND,
                    INTERPRET)
             _stage(o_ptr, w13, layer, s13_ptr + layer * 2 * I, y13_ptr, qkv_ptr, count_ptr, base + 2 * G, error_ptr,
-                   pid, G, 2 * I, D, QKV, False, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   pid, G, 2 * I, D, QKV, False, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, TMA, ABLATE, ROUND,
                    INTERPRET)
             _stage(y13_ptr, w2, layer, s2_ptr + layer * D, h_ptr, o_ptr, count_ptr, base + 3 * G, error_ptr,
-                   pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, AHEAD, PREFETCH, TMA, ABLATE, ROUND,
+                   pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, TMA, ABLATE, ROUND,
                    INTERPRET)
 
 
@@ -251,28 +253,12 @@ if triton is not None:
             y += tl.where(c == 0, tl.load(res_ptr + rows, cache_modifier=".cg"), 0.0)
         tl.atomic_add(y_ptr + rows, y, sem="relaxed")
 
-    PREFETCH_L2 = tl.constexpr("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;")
-
-    @triton.jit
-    def _prefetch_tiles(w, layer, c, t_from, t_to, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, COUNT: tl.constexpr, INTERPRET: tl.constexpr):
-        """Ask L2 for the codes of tiles t_from .. t_from + COUNT - 1 (up to t_to) of chunk c:
-        issued while a program waits, when the memory would otherwise idle."""
-        if not INTERPRET:
-            tiles = t_from + tl.arange(0, COUNT)
-            rows = tiles[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            lines = c * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 128) * 32  # a word offset per 128-byte line
-            offsets = layer * (N * K // 4) + rows.to(tl.int64)[:, :, None] * (K // 4) + lines[None, None, :]
-            offsets = tl.where((tiles <= t_to)[:, None, None], offsets, 0)
-            tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [w + offsets], dtype=tl.int32, is_pure=False, pack=1)
-
     @triton.jit
     def _flow_stage(x_ptr, xflag_ptr, x_expect, w, layer, s_ptr, y_ptr, yflag_ptr, res_ptr, error_ptr, pid, G,
                     N: tl.constexpr, K: tl.constexpr, GLU: tl.constexpr, UP_FLAGS: tl.constexpr, RES: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                    TMA: tl.constexpr, PF: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
-        """y += (W x) * s (+ res): items chunk-major, split evenly between the programs.
-        PF: tiles after the first asked of L2 before the wait (not with TMA)."""
+                    TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+        """y += (W x) * s (+ res): items chunk-major, split evenly between the programs."""
         TILES: tl.constexpr = N // BLOCK_N
         ITEMS: tl.constexpr = TILES * (K // BLOCK_K)
         TPF: tl.constexpr = BLOCK_K // BLOCK_N  # tiles a row block
@@ -282,8 +268,6 @@ if triton is not None:
             t0 = tl.maximum(first, c * TILES) - c * TILES  # this program's tiles of chunk c
             t1 = tl.minimum(last, c * TILES + TILES - 1) - c * TILES
             codes = _load_codes(w, layer, c * TILES + t0, N, K, BLOCK_N, BLOCK_K, TMA, TILES)  # before the wait
-            if PF > 0:
-                _prefetch_tiles(w, layer, c, t0 + 1, t1, N, K, BLOCK_N, BLOCK_K, PF, INTERPRET)
             _wait(xflag_ptr + c, x_expect, error_ptr)
             if GLU:
                 _wait(xflag_ptr + UP_FLAGS + c, x_expect, error_ptr)
@@ -304,7 +288,7 @@ if triton is not None:
     def _flow_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv, wo, w13, w2, sqkv_ptr, so_ptr, s13_ptr, s2_ptr,
                      flag_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr, STAGES: tl.constexpr,
-                     TMA: tl.constexpr, PF: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
+                     TMA: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
         """The chain by dataflow. Buffers (zeroed, but h[0] = the input): h (LAYERS + 1, D),
         qkv (LAYERS, QKV), o (LAYERS, D), y13 (LAYERS, 2I); flags (LAYERS, 4, FLAGS), one set
         for each of qkv, o, y13 and the next h, a counter per BLOCK_K rows."""
@@ -319,17 +303,17 @@ if triton is not None:
             h_flags = flag_ptr + (tl.maximum(layer, 1) - 1) * 4 * FLAGS + 3 * FLAGS
             h_expect = tl.where(layer > 0, TPF * (I // BLOCK_K), 0)
             _flow_stage(h_in, h_flags, h_expect, wqkv, layer, sqkv_ptr + layer * QKV, qkv_ptr + layer * QKV, flags,
-                        h_in, error_ptr, pid, G, QKV, D, False, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, PF,
-                        ROUND, INTERPRET)
+                        h_in, error_ptr, pid, G, QKV, D, False, 0, False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND,
+                        INTERPRET)
             _flow_stage(qkv_ptr + layer * QKV, flags, TPF * (D // BLOCK_K), wo, layer, so_ptr + layer * D,
                         o_ptr + layer * D, flags + FLAGS, h_in, error_ptr, pid, G, D, D, False, 0, False, BLOCK_N,
-                        BLOCK_K, XB, STAGES, TMA, PF, ROUND, INTERPRET)
+                        BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
             _flow_stage(o_ptr + layer * D, flags + FLAGS, TPF * (D // BLOCK_K), w13, layer, s13_ptr + layer * 2 * I,
                         y13_ptr + layer * 2 * I, flags + 2 * FLAGS, h_in, error_ptr, pid, G, 2 * I, D, False, 0,
-                        False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, PF, ROUND, INTERPRET)
+                        False, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
             _flow_stage(y13_ptr + layer * 2 * I, flags + 2 * FLAGS, TPF * (D // BLOCK_K), w2, layer,
                         s2_ptr + layer * D, h_in + D, flags + 3 * FLAGS, h_in, error_ptr, pid, G, D, I, True,
-                        I // BLOCK_K, True, BLOCK_N, BLOCK_K, XB, STAGES, TMA, PF, ROUND, INTERPRET)
+                        I // BLOCK_K, True, BLOCK_N, BLOCK_K, XB, STAGES, TMA, ROUND, INTERPRET)
 
 
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
@@ -372,7 +356,7 @@ class Persistent:
     """The chain as one launch of `grid` programs, its buffers made once (a CUDA graph replays it)."""
 
     def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
-                 warps: int, stages: int, prefetch: bool, ahead: bool = False, tma: bool = False, ablate: int = 0):
+                 warps: int, stages: int, prefetch: bool, tma: bool = False, ablate: int = 0):
         device = w["wqkv"].device
         self.w, self.d, self.qkv, self.inter, self.grid = w, d, qkv, inter, grid
         self.h = torch.zeros(d, device=device)
@@ -381,7 +365,7 @@ class Persistent:
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         xb = min(gemv.dp4a_block(min(d, inter)), block_k)
         self.meta = dict(D=d, QKV=qkv, I=inter, BLOCK_N=block_n, BLOCK_K=block_k, XB=xb,
-                         STAGES=stages, AHEAD=ahead, PREFETCH=prefetch, TMA=tma, ABLATE=ablate, ROUND=not interpreted(),
+                         STAGES=stages, PREFETCH=prefetch, TMA=tma, ABLATE=ablate, ROUND=not interpreted(),
                          INTERPRET=interpreted(), num_warps=warps)
         self.kernel = _chain_kernel
 
@@ -408,6 +392,9 @@ class Persistent:
                      32)
         return per_sm * props.multi_processor_count
 
+    def arrivals_ok(self, expected: int) -> bool:
+        return int(self.count) == expected
+
     def __call__(self, h0: torch.Tensor) -> torch.Tensor:
         self.h.copy_(h0)
         self.bufs[0].zero_()  # qkv and o: the kernel zeroes them for their next use, not the first
@@ -421,14 +408,13 @@ class Flow(Persistent):
     """The chain by dataflow (_flow_kernel): buffers per layer, counters per row block."""
 
     def __init__(self, w: dict, d: int, qkv: int, inter: int, grid: int, block_n: int, block_k: int,
-                 warps: int, stages: int, tma: bool = False, prefetch_tiles: int = 0):
+                 warps: int, stages: int, tma: bool = False):
         super().__init__(w, d, qkv, inter, grid, block_n, block_k, warps, stages, True, tma=tma)
         layers, device = w["wqkv"].shape[0], w["wqkv"].device
         self.hs = torch.zeros(layers + 1, d, device=device)
         self.bufs = [torch.zeros(layers, n, device=device) for n in (qkv, d, 2 * inter)]
         self.flags = torch.zeros(layers, 4, 2 * inter // block_k, dtype=torch.int32, device=device)
-        self.meta = {k: v for k, v in self.meta.items() if k not in ("AHEAD", "PREFETCH", "ABLATE")}
-        self.meta["PF"] = 0 if tma else prefetch_tiles
+        self.meta = {k: v for k, v in self.meta.items() if k not in ("PREFETCH", "ABLATE")}
         self.kernel = _flow_kernel
 
     def args(self):
@@ -444,7 +430,7 @@ class Flow(Persistent):
         _flow_kernel[(self.grid,)](*self.args(), **self.meta)
         return self.hs[-1]
 
-    def arrivals_ok(self) -> bool:
+    def arrivals_ok(self, expected: int = 0) -> bool:
         """Every counter at its full count: each row block's tiles times the producer's chunks."""
         bk = self.meta["BLOCK_K"]
         tpf = bk // self.meta["BLOCK_N"]
@@ -464,18 +450,17 @@ def check_interpreted():
     d, qkv, inter, layers = 256, 384, 512, 2
     w = make_layers(layers, d, qkv, inter, "cpu")
     h0 = torch.randn(d)
-    for prefetch, ahead, tma in ((False, False, False), (True, False, False), (True, True, False),
-                                 (True, False, True)):
+    for prefetch, tma in ((False, False), (True, False), (True, True)):
         run = Persistent(w, d, qkv, inter, grid=1, block_n=4, block_k=256, warps=4, stages=2, prefetch=prefetch,
-                         ahead=ahead, tma=tma)
+                         tma=tma)
         got = run(h0).double()
         ref = chain_reference(h0, w, d, inter, bf16_x=False)
         err = ((got - ref).norm() / ref.norm()).item()
-        print(f"interpreter, prefetch={prefetch}, ahead={ahead}, tma={tma}: relative error {err:.2e} against fp64; "
+        print(f"interpreter, prefetch={prefetch}, tma={tma}: relative error {err:.2e} against fp64; "
               f"barrier errors {int(run.error)}, arrivals {int(run.count)} (expected {4 * layers})")
         assert err < 3e-4 and int(run.error) == 0 and int(run.count) == 4 * layers
     for tma in (False, True):
-        run = Flow(w, d, qkv, inter, grid=1, block_n=4, block_k=128, warps=4, stages=2, tma=tma, prefetch_tiles=4)
+        run = Flow(w, d, qkv, inter, grid=1, block_n=4, block_k=128, warps=4, stages=2, tma=tma)
         got = run(h0).double()
         ref = chain_reference(h0, w, d, inter, bf16_x=False)
         err = ((got - ref).norm() / ref.norm()).item()
@@ -487,14 +472,12 @@ def check_interpreted():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--configs", default="16x1024x4x1,16x1024x4x3x0x1,16x1024x4x4x0x1,16x1024x8x4x0x1,"
-                        "32x1024x8x3x0x1,8x1024x4x4x0x1,64x512x8x3x0x1,32x512x4x4x0x1",
-                        help="BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes read an item ahead "
-                        "[x 1: codes moved by TMA [x 1: no barriers, 2: no GEMVs (measurements)]]]")
-    parser.add_argument("--flow_configs", default="16x1024x4x3x1,64x512x8x3x1,32x512x4x4x1,16x1024x4x1x0",
-                        help="the dataflow kernel's BLOCK_N x BLOCK_K x warps x pipeline stages x TMA (0 or 1) "
-                        "[x tiles asked of L2 before each wait]")
-    parser.add_argument("--per_sm", default="1,2,3,4", help="programs a multiprocessor to try")
+    parser.add_argument("--configs", default="64x512x8x3x1,16x1024x4x1",
+                        help="the barrier kernel's BLOCK_N x BLOCK_K x warps x pipeline stages [x 1: codes moved "
+                        "by TMA [x 1: no barriers, 2: no GEMVs (measurements, wrong results)]]")
+    parser.add_argument("--flow_configs", default="64x512x8x3x1,16x1024x4x1x0",
+                        help="the dataflow kernel's BLOCK_N x BLOCK_K x warps x pipeline stages x TMA (0 or 1)")
+    parser.add_argument("--per_sm", default="2,4", help="programs a multiprocessor to try")
     parser.add_argument("--prefetch", default="1", help="1: first codes read before each barrier; 0: after")
     args = parser.parse_args()
     if interpreted():
@@ -540,55 +523,42 @@ def main():
                  time_us([lambda: [f() for f in launches]], reps=2), float("nan"), "no sums, x not chained"))
     print(*rows[-1], flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in args.configs.split(",") if args.configs else []:
-        block_n, block_k, warps, stages, ahead, tma, ablate = (list(map(int, cfg.split("x"))) + [0, 0, 0])[:7]
-        for per_sm in map(int, args.per_sm.split(",")):
-            for prefetch in map(int, args.prefetch.split(",")):
-                run = Persistent(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch, ahead,
-                                 tma, ablate)
-                fits = run.resident_programs()
-                if run.grid > fits:
-                    rows.append((f"persistent {cfg}, {per_sm}/SM", float("nan"), float("nan"),
-                                 f"not resident ({fits} fit)"))
-                    break
-                got = run(h0).clone()
-                torch.cuda.synchronize()
-                err_one = rel(Persistent(one, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, prefetch,
-                                         ahead, tma, ablate)(h0), ref_one)
-                name = f"persistent {cfg}, {per_sm}/SM, {'prefetch' if prefetch else 'no prefetch'}"
-                arrivals = 4 * args.layers * run.grid * (ablate != 1)
-                if int(run.error) or int(run.count) != arrivals:
-                    rows.append((name, float("nan"), rel(got), f"barrier errors {int(run.error)}, "
-                                 f"arrivals {int(run.count)} of {arrivals}: not timed"))
-                    continue
-                apart = ((got - separate).norm() / separate.norm()).item()
-                rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got),
-                             f"{fits} programs fit; {apart:.1e} from the separate kernels' h; "
-                             f"one layer: {err_one:.1e} from fp64"))
-                print(*rows[-1], flush=True)
-    for cfg in args.flow_configs.split(",") if args.flow_configs else []:
-        block_n, block_k, warps, stages, tma, pf = (list(map(int, cfg.split("x"))) + [0])[:6]
-        for per_sm in map(int, args.per_sm.split(",")):
-            run = Flow(w, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma), pf)
-            fits = run.resident_programs()
-            name = f"dataflow {cfg}, {per_sm}/SM"
-            if run.grid > fits:
-                rows.append((name, float("nan"), float("nan"), f"not resident ({fits} fit)"))
-                break
-            got = run(h0).clone()
-            torch.cuda.synchronize()
-            if int(run.error) or not run.arrivals_ok():
-                rows.append((name, float("nan"), rel(got), f"wait errors {int(run.error)}, counters complete: "
-                             f"{run.arrivals_ok()}: not timed"))
-                print(*rows[-1], flush=True)
-                continue
-            err_one = rel(Flow(one, d, qkv, inter, sms * per_sm, block_n, block_k, warps, stages, bool(tma), pf)(h0),
-                          ref_one)
+
+    def measure(name: str, make, arrivals: int) -> bool:
+        """One variant (make(weights) -> a runner): a row, or False where its programs do not all fit."""
+        run = make(w)
+        fits = run.resident_programs()
+        if run.grid > fits:
+            rows.append((name, float("nan"), float("nan"), f"not resident ({fits} fit)"))
+            return False
+        got = run(h0).clone()
+        torch.cuda.synchronize()
+        if int(run.error) or not run.arrivals_ok(arrivals):
+            rows.append((name, float("nan"), rel(got), f"wait errors {int(run.error)}, counts incomplete: not timed"))
+        else:
+            err_one = rel(make(one)(h0), ref_one)
             apart = ((got - separate).norm() / separate.norm()).item()
             rows.append((name, time_us([lambda: run(h0)], reps=4), rel(got),
                          f"{fits} programs fit; {apart:.1e} from the separate kernels' h; "
                          f"one layer: {err_one:.1e} from fp64"))
-            print(*rows[-1], flush=True)
+        print(*rows[-1], flush=True)
+        return True
+
+    for cfg in args.configs.split(",") if args.configs else []:
+        block_n, block_k, warps, stages, tma, ablate = (list(map(int, cfg.split("x"))) + [0, 0])[:6]
+        for per_sm in map(int, args.per_sm.split(",")):
+            for prefetch in map(int, args.prefetch.split(",")):
+                name = f"barriers {cfg}, {per_sm}/SM, {'prefetch' if prefetch else 'no prefetch'}"
+                make = lambda w, g=sms * per_sm, p=prefetch: Persistent(  # noqa: E731
+                    w, d, qkv, inter, g, block_n, block_k, warps, stages, p, bool(tma), ablate)
+                if not measure(name, make, 4 * args.layers * sms * per_sm * (ablate != 1)):
+                    break
+    for cfg in args.flow_configs.split(",") if args.flow_configs else []:
+        block_n, block_k, warps, stages, tma = map(int, cfg.split("x"))
+        for per_sm in map(int, args.per_sm.split(",")):
+            make = lambda w, g=sms * per_sm: Flow(w, d, qkv, inter, g, block_n, block_k, warps, stages,  # noqa: E731
+                                                  bool(tma))
+            measure(f"dataflow {cfg}, {per_sm}/SM", make, 0)
     print(f"\n| variant | us a layer | fraction of {ceiling:.0f} GB/s | relative error (fp64) | note |")
     print("| --- | --- | --- | --- | --- |")
     for name, us, err, note in rows:
