@@ -78,13 +78,14 @@ if triton is not None:
         tl.debug_barrier()
 
     @triton.jit
-    def _chunk(acc, w, x_ptr, k0, K: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, XB: tl.constexpr, ROUND: tl.constexpr, INTERPRET: tl.constexpr):
-        """acc plus one BLOCK_K slice of K: codes w (BLOCK_N, BLOCK_K / 4 words) times x's planes."""
+    def _chunk_planes(x_ptr, k0, K: tl.constexpr, GLU: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
+                      ROUND: tl.constexpr):
+        """x's planes for inputs k0 .. k0 + BLOCK_K, as (BLOCKS, WPB) words and a step per block.
+        GLU: x = silu(gate) * up, from the fp32 output of the stage before (gate, then up, K each)."""
         BLOCKS: tl.constexpr = BLOCK_K // XB
         WPB: tl.constexpr = XB // 4
         offs = k0 + tl.arange(0, BLOCK_K)
-        if GLU:  # x = silu(gate) * up, from the fp32 output of the stage before
+        if GLU:
             gate = tl.load(x_ptr + offs, cache_modifier=".cg")
             xf = gate / (1 + tl.exp(-gate)) * tl.load(x_ptr + K + offs, cache_modifier=".cg")
         else:
@@ -92,11 +93,17 @@ if triton is not None:
         if ROUND:  # the activations of a bf16 model (the interpreter truncates here: its check leaves this out)
             xf = xf.to(tl.bfloat16).to(tl.float32)
         hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
-        x_hi = _as_words(tl.reshape(hi, (BLOCKS, WPB, 4)))
-        x_lo = _as_words(tl.reshape(lo, (BLOCKS, WPB, 4)))
-        w = tl.reshape(w, (BLOCK_N, BLOCKS, WPB))
-        d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2).to(tl.float32)
-        return acc + d * (step * (1 / 254))[None, :]
+        return _as_words(tl.reshape(hi, (BLOCKS, WPB, 4))), _as_words(tl.reshape(lo, (BLOCKS, WPB, 4))), step
+
+    @triton.jit
+    def _planes_dot(codes, x_hi, x_lo, step, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+        """(BLOCK_N, BLOCKS): codes (BLOCK_N, BLOCK_K / 4 words) times x's planes, each block's sum scaled."""
+        BLOCKS: tl.constexpr = BLOCK_K // XB
+        WPB: tl.constexpr = XB // 4
+        d = tl.sum(_int8_word_dot(tl.reshape(codes, (BLOCK_N, BLOCKS, WPB)), x_hi[None], x_lo[None], INTERPRET),
+                   axis=2).to(tl.float32)
+        return d * (step * (1 / 254))[None, :]
 
     @triton.jit
     def _load_codes(w, layer, it, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -128,7 +135,8 @@ if triton is not None:
         """acc plus work item `it` (codes w); at a tile's last chunk, or this program's last
         item, its rows' sums are added to y (another program may hold the tile's other chunks)."""
         CHUNKS: tl.constexpr = K // BLOCK_K
-        acc = _chunk(acc, w, x_ptr, (it % CHUNKS) * BLOCK_K, K, GLU, BLOCK_N, BLOCK_K, XB, ROUND, INTERPRET)
+        x_hi, x_lo, step = _chunk_planes(x_ptr, (it % CHUNKS) * BLOCK_K, K, GLU, BLOCK_K, XB, ROUND)
+        acc += _planes_dot(w, x_hi, x_lo, step, BLOCK_N, BLOCK_K, XB, INTERPRET)
         flush = (it % CHUNKS == CHUNKS - 1) | (it == last)
         if flush:
             rows = (it // CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,7 +215,6 @@ if triton is not None:
                    pid, G, D, I, D, True, BLOCK_N, BLOCK_K, XB, STAGES, PREFETCH, TMA, ABLATE, ROUND,
                    INTERPRET)
 
-
     # The dataflow variant: no grid barriers. A stage's items run chunk by chunk
     # of K (all tiles of chunk 0, then of chunk 1, ...), so the items of one
     # program share one or two chunks of x: it waits only for those rows of the
@@ -223,32 +230,12 @@ if triton is not None:
         tl.atomic_add(flag_ptr, count, sem="release", scope="gpu")
 
     @triton.jit
-    def _chunk_planes(x_ptr, k0, K: tl.constexpr, GLU: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,
-                      ROUND: tl.constexpr):
-        """x's planes for inputs k0 .. k0 + BLOCK_K, as (BLOCKS, WPB) words and a step per block."""
-        BLOCKS: tl.constexpr = BLOCK_K // XB
-        WPB: tl.constexpr = XB // 4
-        offs = k0 + tl.arange(0, BLOCK_K)
-        if GLU:
-            gate = tl.load(x_ptr + offs, cache_modifier=".cg")
-            xf = gate / (1 + tl.exp(-gate)) * tl.load(x_ptr + K + offs, cache_modifier=".cg")
-        else:
-            xf = tl.load(x_ptr + offs, cache_modifier=".cg")
-        if ROUND:
-            xf = xf.to(tl.bfloat16).to(tl.float32)
-        hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
-        return _as_words(tl.reshape(hi, (BLOCKS, WPB, 4))), _as_words(tl.reshape(lo, (BLOCKS, WPB, 4))), step
-
-    @triton.jit
     def _flow_item(codes, tile, c, x_hi, x_lo, step, s_ptr, y_ptr, res_ptr, RES: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, XB: tl.constexpr, INTERPRET: tl.constexpr):
         """One item: rows of `tile` times chunk c of x, added to y."""
-        BLOCKS: tl.constexpr = BLOCK_K // XB
-        WPB: tl.constexpr = XB // 4
-        d = tl.sum(_int8_word_dot(tl.reshape(codes, (BLOCK_N, BLOCKS, WPB)), x_hi[None], x_lo[None], INTERPRET),
-                   axis=2).to(tl.float32)
         rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        y = tl.sum(d * (step * (1 / 254))[None, :], axis=1) * tl.load(s_ptr + rows)
+        y = tl.sum(_planes_dot(codes, x_hi, x_lo, step, BLOCK_N, BLOCK_K, XB, INTERPRET), axis=1)
+        y *= tl.load(s_ptr + rows)
         if RES:  # the residual, added once a row: with chunk 0
             y += tl.where(c == 0, tl.load(res_ptr + rows, cache_modifier=".cg"), 0.0)
         tl.atomic_add(y_ptr + rows, y, sem="relaxed")
@@ -283,7 +270,6 @@ if triton is not None:
                                INTERPRET)
                 _release(yflag_ptr + block, block_last - tl.maximum(t0, block * TPF) + 1)
 
-
     @triton.jit
     def _flow_kernel(h_ptr, qkv_ptr, o_ptr, y13_ptr, wqkv, wo, w13, w2, sqkv_ptr, so_ptr, s13_ptr, s2_ptr,
                      flag_ptr, error_ptr, LAYERS, D: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr,
@@ -317,7 +303,7 @@ if triton is not None:
 
 
 def make_layers(layers: int, d: int, qkv: int, inter: int, device) -> dict[str, torch.Tensor]:
-    """int8 codes and row scales for each matrix, stacked by layer; weights ~ N(0, 1/K) keep |h| steady."""
+    """int8 codes and row scales for each matrix, stacked by layer, of weights ~ N(0, 1/K)."""
     out = {}
     for name, (n, k) in {"wqkv": (qkv, d), "wo": (d, d), "w13": (2 * inter, d), "w2": (d, inter)}.items():
         qs = [quantize_int8(torch.randn(n, k, device=device) / k ** 0.5) for _ in range(layers)]
