@@ -59,7 +59,7 @@ tl = triton.language if triton is not None else None
 
 if triton is not None:
     POLL_LIMIT = tl.constexpr(1 << 20)  # polls of the barrier's counter before a program gives up (~1 s)
-    from brisklm.kernels.gemv import _as_words, _int8_word_dot, _x_planes
+    from brisklm.kernels.gemv import _block_words, _int8_word_dot
 
     @triton.jit
     def _arrive(count_ptr):
@@ -82,8 +82,6 @@ if triton is not None:
                       ROUND: tl.constexpr):
         """x's planes for inputs k0 .. k0 + BLOCK_K, as (BLOCKS, WPB) words and a step per block.
         GLU: x = silu(gate) * up, from the fp32 output of the stage before (gate, then up, K each)."""
-        BLOCKS: tl.constexpr = BLOCK_K // XB
-        WPB: tl.constexpr = XB // 4
         offs = k0 + tl.arange(0, BLOCK_K)
         if GLU:
             gate = tl.load(x_ptr + offs, cache_modifier=".cg")
@@ -92,8 +90,7 @@ if triton is not None:
             xf = tl.load(x_ptr + offs, cache_modifier=".cg")
         if ROUND:  # the activations of a bf16 model (the interpreter truncates here: its check leaves this out)
             xf = xf.to(tl.bfloat16).to(tl.float32)
-        hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
-        return _as_words(tl.reshape(hi, (BLOCKS, WPB, 4))), _as_words(tl.reshape(lo, (BLOCKS, WPB, 4))), step
+        return _block_words(xf, BLOCK_K // XB, XB)
 
     @triton.jit
     def _planes_dot(codes, x_hi, x_lo, step, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, XB: tl.constexpr,

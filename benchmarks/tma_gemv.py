@@ -29,7 +29,7 @@ from brisklm.quantize import quantize_int8
 tl = triton.language if triton is not None else None
 
 if triton is not None:
-    from brisklm.kernels.gemv import _as_words, _await_inputs, _int8_word_dot, _x_planes
+    from brisklm.kernels.gemv import _await_inputs, _block_words, _int8_word_dot
 
     @triton.jit
     def _int8_dp4a_tma_kernel(x_ptr, w_desc, out_ptr, N, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
@@ -45,10 +45,8 @@ if triton is not None:
         k_start = pid_k * K_PER_SPLIT
         for i in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=STAGES):
             w = tl.reshape(w_desc.load([pid_n * BLOCK_N, (k_start + i) // 4]), (BLOCK_N, BLOCKS, WPB))
-            xf = tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)
-            hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
-            x_hi = _as_words(tl.reshape(hi, (BLOCKS, WPB, 4)))
-            x_lo = _as_words(tl.reshape(lo, (BLOCKS, WPB, 4)))
+            x_hi, x_lo, step = _block_words(tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32),
+                                            BLOCKS, XB)
             d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2).to(tl.float32)
             acc += d * (step * (1 / 254))[None, :]
         tl.store(out_ptr + pid_k * N + rows, tl.sum(acc, axis=1), mask=rows < N)

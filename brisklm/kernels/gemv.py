@@ -360,6 +360,13 @@ if triton is not None:
         return tl.sum(b << (8 * tl.arange(0, 4)), axis=-1)
 
     @triton.jit
+    def _block_words(xf, BLOCKS: tl.constexpr, XB: tl.constexpr):
+        """x (BLOCKS * XB,) fp32 as _x_planes' hi and lo planes in int32 words,
+        (BLOCKS, XB / 4) each, and the step of each block."""
+        hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
+        return _as_words(tl.reshape(hi, (BLOCKS, XB // 4, 4))), _as_words(tl.reshape(lo, (BLOCKS, XB // 4, 4))), step
+
+    @triton.jit
     def _int8_dp4a_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr,
                           INTERPRET: tl.constexpr, PDL: tl.constexpr):
@@ -384,10 +391,8 @@ if triton is not None:
             w = tl.load(w_rows + ((k_start + i) // 4 + words)[None, :], mask=row_ok[:, None],
                         eviction_policy="evict_first")
             w = tl.reshape(w, (BLOCK_N, BLOCKS, WPB))
-            xf = tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32)
-            hi, lo, step = _x_planes(tl.reshape(xf, (BLOCKS, XB)))
-            x_hi = _as_words(tl.reshape(hi, (BLOCKS, WPB, 4)))
-            x_lo = _as_words(tl.reshape(lo, (BLOCKS, WPB, 4)))
+            x_hi, x_lo, step = _block_words(tl.load(x_ptr + k_start + i + tl.arange(0, BLOCK_K)).to(tl.float32),
+                                            BLOCKS, XB)
             d = tl.sum(_int8_word_dot(w, x_hi[None], x_lo[None], INTERPRET), axis=2).to(tl.float32)
             if GROUPED:
                 blocks = (k_start + i) // XB + tl.arange(0, BLOCKS)
