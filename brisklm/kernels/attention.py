@@ -28,10 +28,12 @@ import math
 
 import torch
 
-from .gemv import _await_inputs, _direct, _shapes_only, available, early_launch, interpreted, triton
+from .gemv import _direct, _shapes_only, available, early_launch, interpreted, triton
 
-if triton is not None:
+if triton is not None:  # without triton (CPU wheels) only supported() is used, and says no
     import triton.language as tl
+
+    from .gemv import _await_inputs
 
     @triton.jit
     def _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, ok, m, denom, acc,
