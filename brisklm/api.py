@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Iterator
@@ -18,7 +19,8 @@ import torch
 from . import chat as chat_templates
 from .errors import BriskError
 from .generate import Generator
-from .model import Transformer, build_model, random_state_dict
+from .model import Transformer, build_model, kv_bytes_per_position, random_state_dict
+from .precompile import compiled_before, mark_compiled
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -58,6 +60,16 @@ def log(message: str, quiet: bool = False):
         print(message, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def step(start: str, done: str, quiet: bool = False):
+    """A long step as two plain lines, `start...` and `done in N s`, that logs
+    and pipes show too (the counter of _progress_bar shows on terminals only)."""
+    t0 = time.perf_counter()
+    log(f"{start}...", quiet)
+    yield
+    log(f"{done} in {time.perf_counter() - t0:.1f} s", quiet)
+
+
 QUANTIZE_MODES = ("auto", "none", "int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf")
 
 
@@ -81,29 +93,83 @@ def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="mod
             from .gptq import calibration_ids, gptq_quantize_state_dict
             if tokenizer is None:
                 raise BriskError(f"{name}: int4-gptq needs a tokenizer for its calibration text")
-            log(f"Quantizing to int4 with GPTQ (group {groupsize}), layer by layer...", quiet)
-            return gptq_quantize_state_dict(args, state, calibration_ids(tokenizer), groupsize, progress)
+            with step(f"Quantizing to int4 with GPTQ (group {groupsize}), layer by layer", "Quantized", quiet):
+                return gptq_quantize_state_dict(args, state, calibration_ids(tokenizer), groupsize, progress)
         if mode in ("int8", "q8_0", "int4", "fp8"):
             from .quantize import quantize_state_dict
-            log(f"Quantizing to {mode}" + (f" (group {groupsize})" if mode == "int4" else "")
-                + "...", quiet)
-            return quantize_state_dict(args, state, mode, groupsize, progress)
+            with step(f"Quantizing to {mode}" + (f" (group {groupsize})" if mode == "int4" else ""),
+                      "Quantized", quiet):
+                return quantize_state_dict(args, state, mode, groupsize, progress)
     except ValueError as e:
         raise BriskError(f"{name}: {e}") from None
     return args, state
+
+
+def supported_context(args) -> int:
+    """The longest context the model was trained for, or its RoPE scaling
+    extends to (factor x the original length, where the config gives both)."""
+    scaling = args.rope_scaling or {}
+    if scaling.get("factor") and scaling.get("original_max_position_embeddings"):
+        return max(args.max_position_embeddings,
+                   int(scaling["factor"] * scaling["original_max_position_embeddings"]))
+    return args.max_position_embeddings
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on `device` (the OS's MemAvailable on CPUs), or None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+KV_MEMORY_SHARE = 0.5  # of the memory free after loading, at most, for a default-sized KV cache
+
+
+def cache_length(args, device: torch.device, dtype, kv_int8=False, requested=None,
+                 allow_long_context=False, quiet=True) -> int:
+    """The KV cache's length: `requested`, else the model's whole context
+    capped by free memory (the cap is printed)."""
+    context = supported_context(args)
+    if requested is not None:
+        if requested < 1:
+            raise BriskError(f"max_seq_length must be >= 1, got {requested}")
+        if requested > context:
+            if not allow_long_context:
+                raise BriskError(f"max_seq_length {requested} is past the model's context of {context} tokens "
+                                 f"(its RoPE is not scaled that far); --allow_long_context runs it anyway, "
+                                 f"with quality degrading past {context}")
+            log(f"Warning: a KV cache of {requested} tokens, past the model's context of {context}: "
+                f"output quality degrades beyond it", quiet)
+        return requested
+    per_position = kv_bytes_per_position(args, dtype, kv_int8)
+    free = free_memory_bytes(device)
+    fits = context if free is None else int(free * KV_MEMORY_SHARE) // per_position // 256 * 256
+    if fits < context:
+        length = max(fits, min(context, 256))
+        log(f"KV cache capped at {length} tokens ({length * per_position / 1e9:.2f} GB) by free memory "
+            f"({free / 1e9:.1f} GB); the model's context is {context} (--max_seq_length sets the cache)", quiet)
+        return length
+    log(f"KV cache: {context} tokens, the model's context ({context * per_position / 1e9:.2f} GB)", quiet)
+    return context
 
 
 class LLM:
     """A loaded model with its tokenizer and generator."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, *, max_seq_length=None,
-                 compile=False, compile_prefill=False, compile_options=None, name="model", kv_int8=False):
+                 compile=False, compile_prefill=False, compile_options=None, name="model", kv_int8=False,
+                 allow_long_context=False, quiet=True):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        if max_seq_length is not None and max_seq_length < 1:
-            raise BriskError(f"max_seq_length must be >= 1, got {max_seq_length}")
-        length = max_seq_length or min(model.args.max_position_embeddings, 4096)
+        self.context = supported_context(model.args)
+        device, dtype = model.norm.weight.device, model.norm.weight.dtype
+        length = cache_length(model.args, device, dtype, kv_int8, max_seq_length, allow_long_context, quiet)
         try:
             self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill,
                                        compile_options=compile_options, kv_int8=kv_int8)
@@ -133,8 +199,47 @@ class LLM:
             params = SamplingParams(temperature, top_k, top_p, min_p)
             self.generator.check(prompt_ids, max_new_tokens)
         except ValueError as e:
-            raise BriskError(str(e)) from None
+            raise BriskError(self._explain(str(e))) from None
         return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed)
+
+    def _explain(self, message: str) -> str:
+        """A request too long for the cache: say what raises it, and how far."""
+        if "exceeds the KV cache" not in message:
+            return message
+        if self.generator.max_seq_length < self.context:
+            return (f"{message}: --max_seq_length (max_seq_length= in load()) raises it, "
+                    f"up to the model's context of {self.context} tokens")
+        return f"{message}, the model's whole context: shorten the prompt or max_new_tokens"
+
+    def fits(self, prompt_ids: list[int], max_new_tokens: int) -> bool:
+        """Whether the prompt and max_new_tokens fit the KV cache."""
+        return len(prompt_ids) + max_new_tokens <= self.generator.max_seq_length
+
+    def warm_up(self, prompt_ids: list[int], quiet: bool = True, **sampling) -> float:
+        """Run the compiled steps once on prompt_ids with these sampling
+        settings (the compiled step specializes on them): compiling them, or
+        loading them from the compiler's cache, after saying what it costs.
+        Returns the seconds taken (0 when nothing is compiled)."""
+        gen = self.generator
+        if not gen.compiled:
+            return 0.0
+        warm = compiled_before(gen.compile_path)
+        if warm:
+            log("Loading the compiled decode step from the compiler's cache...", quiet)
+        elif gen.device.type == "cpu":
+            log("Compiling the decode step: about 1.5 minutes on 2 CPU cores, ~10 s at later starts "
+                "(the compiler's cache); on CPUs it pays off only for long generations...", quiet)
+        else:
+            log("Compiling the decode step: 20-60 s, a few seconds at later starts (the compiler's cache)...",
+                quiet)
+        t0 = time.perf_counter()
+        for _ in self.stream_ids(prompt_ids, 2, stop_ids=(), **sampling):
+            pass
+        gen.reset()
+        mark_compiled(gen.compile_path)
+        seconds = time.perf_counter() - t0
+        log(f"{'Loaded the compiled step' if warm else 'Compiled'} in {seconds:.1f} s", quiet)
+        return seconds
 
     def stream(self, prompt: str, max_new_tokens: int = 256, stop: list[str] | str | None = None,
                **sampling) -> Iterator[str]:
@@ -163,11 +268,13 @@ class LLM:
         except ValueError as e:
             raise BriskError(str(e)) from None
 
-    def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
-        prompt = self.apply_chat_template(messages)
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of a conversation, rendered by the chat template."""
         # The template already writes any BOS it wants.
-        ids = self.require_tokenizer().encode(prompt, add_bos=False)
-        return self.stream_ids_as_text(ids, max_new_tokens, kwargs.pop("stop", None), **kwargs)
+        return self.require_tokenizer().encode(self.apply_chat_template(messages), add_bos=False)
+
+    def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
+        return self.stream_ids_as_text(self.chat_ids(messages), max_new_tokens, kwargs.pop("stop", None), **kwargs)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> str:
         """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]."""
@@ -215,7 +322,8 @@ def usable_device(device: str) -> str:
 def load(path: str | None = None, *, device: str | None = None, dtype=None,
          compile: bool = False, compile_prefill: bool = False, max_seq_length: int | None = None,
          preset: str | None = None, quiet: bool = True, compile_options: dict | None = None,
-         quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False) -> LLM:
+         quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False,
+         allow_long_context: bool = False) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -226,6 +334,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     as they are (int4, group 32), with no dequantize-requantize round trip;
     "auto" (the default) does that for GGUF files that have such matrices and
     nothing otherwise; None or "none" keeps every weight dense.
+
+    max_seq_length: the KV cache's length; by default the model's context,
+    capped by free memory. Past the model's context (with no RoPE scaling that
+    reaches it) it is refused unless allow_long_context, as quality degrades.
 
     kv_int8 stores the KV cache as int8 with a scale per position and head:
     half its memory, for long contexts, at some speed."""
@@ -261,4 +373,5 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
-               compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8)
+               compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8,
+               allow_long_context=allow_long_context, quiet=quiet)

@@ -24,6 +24,7 @@ import time
 import torch
 
 from .errors import BriskError
+from .model import kv_bytes_per_position
 
 
 def _sync(device):
@@ -67,13 +68,6 @@ def matmul_tflops(device, n=None, reps=10):
     dtype = torch.bfloat16
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     return 2 * n**3 / _timed(device, lambda: a @ b, reps) / 1e12
-
-
-def kv_bytes_per_position(args, dtype, int8=False) -> int:
-    """Bytes the KV cache stores per position (int8: codes plus one scale a head)."""
-    elem = torch.finfo(dtype).bits // 8
-    per_head = args.head_dim + elem if int8 else args.head_dim * elem
-    return 2 * args.num_hidden_layers * args.num_key_value_heads * per_head
 
 
 def prefill_flops(args, tokens: int) -> float:
@@ -131,7 +125,7 @@ def startup_figures(argv: list[str]):
             if done.returncode:
                 return {"error": done.stderr.strip().splitlines()[-1:]}
             loaded = float(re.search(r"Loaded in ([\d.]+) s", done.stderr).group(1))
-            compiled = float(re.search(r"Compiled in ([\d.]+) s", done.stderr).group(1))
+            compiled = float(re.search(r"(?:Compiled|Loaded the compiled step) in ([\d.]+) s", done.stderr).group(1))
             out[name] = {"load_s": loaded, "compile_s": compiled, "process_s": wall}
     return out
 
@@ -209,7 +203,7 @@ def run(opts) -> dict:
     """Every figure for one model on one device; opts as parsed by the CLI."""
     from .api import load, log, usable_device
     device = torch.device(usable_device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    args = _model_args(opts)
+    _model_args(opts)  # a bad preset name fails before the ceilings are measured
     log(f"Measuring the ceilings of {device}...")
     group = f"-g{opts.groupsize}" if opts.quantize == "int4" else ""
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -223,25 +217,27 @@ def run(opts) -> dict:
     gpu = device.type == "cuda"
     prefill = opts.prefill if opts.prefill is not None else ([1024, 8192] if gpu else [128])
     context = opts.context if opts.context is not None else ([8192, 32768] if gpu else [1024])
-    if args is not None:  # lengths past the model's trained context are not its figures
-        limit = args.max_position_embeddings - opts.new_tokens - 8
-        skipped = [n for n in prefill + context if n > limit]
-        if skipped:
-            log(f"  skipping lengths {skipped}: past the model's context of "
-                f"{args.max_position_embeddings} tokens")
-        prefill, context = [n for n in prefill if n <= limit], [n for n in context if n <= limit]
     longest = max([opts.prompt_tokens, *prefill, *context]) + opts.new_tokens + 8
-    # The cache fits the longest request unless --max_seq_length asks for more
-    # (`brisk generate` defaults to 4096): its size sets the attention kernel's
-    # slices, so decode at a short context depends on it.
-    result["max_seq_length"] = max(opts.max_seq_length or 0, longest)
+    # The cache is the one `brisk generate` makes (the model's context, capped
+    # by free memory), so that both share the compiled step; --max_seq_length
+    # below the longest request is raised to it. (The cache's size sets the
+    # attention kernel's slices, so decode at a short context depends on it.)
+    length = opts.max_seq_length and max(opts.max_seq_length, longest)
     if opts.max_seq_length and opts.max_seq_length < longest:
         log(f"  --max_seq_length {opts.max_seq_length} is below the longest request ({longest} "
             f"tokens): using {longest}")
     llm = load(opts.checkpoint_path, preset=opts.preset, device=str(device), dtype=opts.dtype,
                compile=opts.compile, compile_prefill=opts.compile_prefill,
-               compile_options=opts.compile_options, max_seq_length=result["max_seq_length"], quiet=False,
-               quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8)
+               compile_options=opts.compile_options, max_seq_length=length, quiet=False,
+               quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8,
+               allow_long_context=opts.allow_long_context)
+    result["max_seq_length"] = llm.generator.max_seq_length
+    limit = llm.generator.max_seq_length - opts.new_tokens - 8
+    skipped = [n for n in prefill + context if n > limit]
+    if skipped:  # lengths past the model's trained context are not its figures
+        log(f"  skipping lengths {skipped}: past the KV cache of {llm.generator.max_seq_length} tokens "
+            f"(the model's context is {llm.context})")
+    prefill, context = [n for n in prefill if n <= limit], [n for n in context if n <= limit]
     dtype = llm.model.norm.weight.dtype
     ceiling = result["read_ceiling_gb_s"]
     if device.type == "cuda":

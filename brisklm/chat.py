@@ -36,3 +36,18 @@ def render(template: str | None, messages: list[dict], add_generation_prompt: bo
                            bos_token=bos_token, eos_token=eos_token)
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template error: {e}") from None
+
+
+def drop_oldest_turns(messages: list[dict], fits) -> tuple[list[dict], int]:
+    """The conversation less its oldest turns (a user message and the replies
+    after it; a leading system message stays) until fits(messages) holds or
+    only the last message is left -> (messages, how many were dropped)."""
+    head = messages[:1] if messages and messages[0].get("role") == "system" else []
+    body = list(messages[len(head):])
+    dropped = 0
+    while len(body) > 1 and not fits(head + body):
+        cut = 1
+        while cut < len(body) - 1 and body[cut].get("role") != "user":
+            cut += 1
+        body, dropped = body[cut:], dropped + cut
+    return head + body, dropped

@@ -23,8 +23,10 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
-    p.add_argument("--max_seq_length", type=int, default=None,
-                   help="KV cache length (default: min(context, 4096); bench: its longest request)")
+    p.add_argument("--max_seq_length", type=_positive_int, default=None,
+                   help="KV cache length (default: the model's context, capped by free memory)")
+    p.add_argument("--allow_long_context", action="store_true",
+                   help="allow --max_seq_length past the model's context (output quality degrades there)")
     p.add_argument("--quantize", choices=["auto", "none", "int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf"],
                    default="auto",
                    help="weight-only quantization at load: int8 (a scale per row), q8_0 (a scale per 32 "
@@ -48,9 +50,17 @@ def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes print one line, as other user errors do, not the whole usage block."""
+
+    def error(self, message):
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="brisk", description="Fast, hackable LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="brisk", description="Fast, hackable LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="continue a prompt")
     _model_flags(g)
@@ -138,12 +148,22 @@ def _load(args, quiet=False):
     return load(args.checkpoint_path, device=args.device, dtype=args.dtype, compile=args.compile,
                 compile_prefill=args.compile_prefill, max_seq_length=args.max_seq_length,
                 preset=args.preset, quiet=quiet, compile_options=args.compile_options,
-                quantize=args.quantize, groupsize=args.groupsize, kv_int8=args.kv_int8)
+                quantize=args.quantize, groupsize=args.groupsize, kv_int8=args.kv_int8,
+                allow_long_context=args.allow_long_context)
 
 
 def _sampling(args) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p)
+
+
+def _check_sampling(args):
+    """Bad sampling values fail here, before the model loads."""
+    from .sampling import SamplingParams
+    try:
+        SamplingParams(**_sampling(args))
+    except ValueError as e:
+        raise BriskError(str(e)) from None
 
 
 def _peak_memory_gb(device) -> float:
@@ -157,6 +177,7 @@ def _peak_memory_gb(device) -> float:
 def cmd_generate(args):
     import torch
     from .api import log
+    _check_sampling(args)
     llm = _load(args, quiet=args.quiet)
     if args.preset:  # random weights and no tokenizer: token ids in, token ids out
         prompt_ids = [1 + i for i in range(5)]
@@ -172,12 +193,8 @@ def cmd_generate(args):
         run = lambda: llm.stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
                                               seed=args.seed, **_sampling(args))
         show = lambda piece: print(piece, end="", flush=True)  # noqa: E731
-    if args.compile:
-        t0 = time.perf_counter()
-        log("Compiling the decode step (first run; later starts use the compiler cache)...", args.quiet)
-        for _ in run():
-            pass
-        log(f"Compiled in {time.perf_counter() - t0:.1f} s", args.quiet)
+    llm.stream_ids(prompt_ids, args.max_new_tokens)  # checks the request (raises) before any compile
+    llm.warm_up(prompt_ids, quiet=args.quiet, **_sampling(args))
     device = llm.generator.device
     rates = []
     for i in range(args.num_samples):
@@ -209,14 +226,16 @@ def cmd_generate(args):
 
 
 def cmd_chat(args):
+    from .chat import drop_oldest_turns
+    _check_sampling(args)
     llm = _load(args)
     llm.require_tokenizer()  # no tokenizer (a preset): say so now, not after the first message
     messages = [{"role": "system", "content": args.system}] if args.system else []
     start = list(messages)
+    llm.warm_up(llm.chat_ids(start + [{"role": "user", "content": "Hi"}]), quiet=False, **_sampling(args))
     print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
-    if args.compile:
-        print("(The first reply also compiles the decode step: up to a minute or two.)",
-              file=sys.stderr)
+    told_of_dropping = False
+    capacity = llm.generator.max_seq_length
     while True:
         try:
             line = input("> ")
@@ -230,28 +249,49 @@ def cmd_chat(args):
             continue
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
+        # The oldest turns make room for this one, and a whole reply, in the KV cache.
+        asked, dropped = drop_oldest_turns(messages + [{"role": "user", "content": line}],
+                                           lambda m: llm.fits(llm.chat_ids(m), args.max_new_tokens))
+        ids = llm.chat_ids(asked)
+        if len(ids) >= capacity:
+            print(f"error: this message makes a prompt of {len(ids)} tokens, more than the KV cache of "
+                  f"{capacity} holds (--max_seq_length raises it, up to the model's context of "
+                  f"{llm.context}); it was not sent", file=sys.stderr)
+            continue
+        if dropped and not told_of_dropping:
+            print(f"(The conversation outgrew the KV cache of {capacity} tokens: its oldest turns are left "
+                  f"out from now on" + (", the system message kept" if args.system else "") + ".)",
+                  file=sys.stderr)
+            told_of_dropping = True
         reply = []
-        for piece in llm.chat_stream(messages, args.max_new_tokens, stop=args.stop,
-                                     seed=args.seed, **_sampling(args)):
-            reply.append(piece)
-            print(piece, end="", flush=True)
+        try:
+            for piece in llm.stream_ids_as_text(ids, min(args.max_new_tokens, capacity - len(ids)), args.stop,
+                                                seed=args.seed, **_sampling(args)):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except BriskError as e:  # this turn fails; the conversation goes on without it
+            print(f"\nerror: {e}", file=sys.stderr)
+            continue
         print()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        messages = asked + [{"role": "assistant", "content": "".join(reply)}]
         s = llm.stats
         print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s, "
               f"{s.reused_tokens}/{s.prompt_tokens} prompt tokens from the cache]", file=sys.stderr)
 
 
 def cmd_convert(args):
-    from .api import log, parse_dtype
+    from .api import parse_dtype, step
     from .checkpoints import load
     from .checkpoints.native import save_native
-    log(f"Reading {args.checkpoint_path or 'the bundled default model'}...")
-    ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype))
-    log(f"Writing {args.output}...")
-    save_native(args.output, ckpt.args, ckpt.state_dict, ckpt.tokenizer)
-    log(f"Done: {args.output}")
+    source = args.checkpoint_path or "the bundled default model"
+    with step(f"Reading {source}", "Read"):
+        # A GGUF file's int4 and int8 blocks stay as they are: no dequantized copy, twice the size.
+        ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype), keep_gguf_blocks="all")
+    kept = sum(k.endswith(("_int4", "_int8")) for k in ckpt.state_dict)
+    with step(f"Writing {args.output}" + (f" ({kept} matrices kept quantized)" if kept else ""), "Written"):
+        save_native(args.output, ckpt.args, ckpt.state_dict, ckpt.tokenizer,
+                    quantization={"mode": "gguf", "groupsize": 32} if kept else None)
+    print(args.output)
 
 
 def cmd_download(args):
@@ -260,21 +300,31 @@ def cmd_download(args):
     print(path)
 
 
+def _size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    return os.path.getsize(path)
+
+
 def cmd_quantize(args):
-    from .api import log, parse_dtype, quantize_loaded
+    from .api import log, parse_dtype, quantize_loaded, step
     from .checkpoints import load
     from .checkpoints.native import save_native
-    log(f"Reading {args.checkpoint_path or 'the bundled default model'}...")
-    ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype),
-                keep_gguf_blocks="all" if args.mode == "gguf" else False)
+    with step(f"Reading {args.checkpoint_path or 'the bundled default model'}", "Read"):
+        ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype),
+                    keep_gguf_blocks="all" if args.mode == "gguf" else False)
     model_args, state = quantize_loaded(ckpt.args, ckpt.state_dict, ckpt.tokenizer, args.mode,
                                         args.groupsize, ckpt.path, quiet=False)
     output = args.output or os.path.splitext(ckpt.path.rstrip("/"))[0] + f"-{args.mode}"
     scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
               (args.groupsize if args.mode.startswith("int4") else None)}
-    log(f"Writing {output}...")
-    save_native(output, model_args, state, ckpt.tokenizer, quantization=scheme)
-    log(f"Done: {output}")
+    with step(f"Writing {output}", "Written"):
+        save_native(output, model_args, state, ckpt.tokenizer, quantization=scheme)
+    source, written = _size(ckpt.path), _size(output)
+    if written > source:
+        log(f"Note: {output} ({written / 1e6:.0f} MB) is larger than its source ({source / 1e6:.0f} MB), "
+            f"which stores fewer bits a weight than {args.mode} keeps; re-quantizing adds no accuracy "
+            f"to the source's codes (--mode gguf keeps a GGUF file's blocks as they are)")
     print(output)
 
 

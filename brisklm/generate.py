@@ -139,6 +139,7 @@ class Generator:
         model.setup_caches(1, max_seq_length, kv_int8)
         self.cached: list[int] = []  # tokens whose keys/values are in the cache
         self.compiled = compile
+        self.compile_path = None
         self._decode = decode_one_token
         self._prefill = prefill
         self.block_mask = None
@@ -155,8 +156,9 @@ class Generator:
                     module.rows_last()
             options = {"triton.cudagraphs": cuda, "triton.enable_pdl": cuda,
                        "inductor_choices_class": OnePassReductions, **(compile_options or {})}
+            self.compile_path = artifacts_path(model, options)  # (precompile.compiled_before tells)
             if self.block_mask is None:  # (flex attention's guards do not load back: no precompile with it)
-                self._decode = precompiled(decode_one_token, options, artifacts_path(model, options))
+                self._decode = precompiled(decode_one_token, options, self.compile_path)
             else:
                 self._decode = torch.compile(decode_one_token, fullgraph=True, options=options)
         if compile_prefill:  # dynamic lengths: a new prompt length does not compile again
@@ -179,7 +181,7 @@ class Generator:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if len(prompt_ids) + max_new_tokens > self.max_seq_length:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens="
-                             f"{max_new_tokens} exceeds the context of {self.max_seq_length} tokens")
+                             f"{max_new_tokens} exceeds the KV cache of {self.max_seq_length} tokens")
         vocab = self.model.args.vocab_size
         bad = next((i for i in prompt_ids if not 0 <= i < vocab), None)
         if bad is not None:

@@ -143,6 +143,13 @@ def apply_rope(x, cos, sin):
     return out.to(x.dtype)
 
 
+def kv_bytes_per_position(args: ModelArgs, dtype, int8=False) -> int:
+    """Bytes the KV cache stores per position (int8: codes plus one scale a head)."""
+    elem = torch.finfo(dtype).bits // 8
+    per_head = args.head_dim + elem if int8 else args.head_dim * elem
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * per_head
+
+
 class KVCache(nn.Module):
     """Preallocated keys and values, (B, n_kv_heads, max_seq_length, head_dim) each.
 

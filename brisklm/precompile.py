@@ -47,6 +47,20 @@ def artifacts_path(model, options: dict, step: str = "decode") -> str:
     return os.path.join(cache_dir(), "brisklm", f"{step}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
 
 
+def compiled_before(path: str | None) -> bool:
+    """Whether a step saved at `path` (artifacts_path) was compiled in an
+    earlier process, so that the compiler's caches hold it."""
+    return path is not None and (os.path.exists(path) or os.path.exists(path + ".done"))
+
+
+def mark_compiled(path: str | None):
+    """Record that the step for `path` compiled (a step compiled plainly,
+    with nothing of ours saved, leaves only this mark)."""
+    if path is not None and not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path + ".done", "w").close()
+
+
 def forget_traced(fn):
     """Remove what torch's caching precompile saved for `fn` by itself. It keys
     that entry by the function's name and first line only and loads it at

@@ -65,14 +65,20 @@ def test_generate_preset_runs_random_weights():
     assert again.returncode == 0 and again.stdout.split() == ids, again.stderr
 
 
-def test_convert_writes_a_native_checkpoint_that_reloads_identically(smollm2_gguf, tmp_path):
+def test_convert_keeps_the_gguf_blocks_and_reloads_identically(smollm2_gguf, tmp_path):
     out = tmp_path / "native"
     done = brisk("convert", "--checkpoint_path", smollm2_gguf, "--output", str(out), "--dtype", "float32")
     assert done.returncode == 0, done.stderr
-    original, native = load(smollm2_gguf), load(str(out))
+    original, native = load(smollm2_gguf, keep_gguf_blocks="all"), load(str(out))
     assert native.args == original.args
+    assert native.state_dict.keys() == original.state_dict.keys()
     for name, t in original.state_dict.items():
         assert torch.equal(native.state_dict[name], t), name
+    # The Q4_1 matrices stay int4 (120 of them), the tied Q8_0 embedding int8, stored once:
+    assert sum(k.endswith("_int4") for k in native.state_dict) == 120
+    assert native.state_dict["output.weight_int8"] is native.state_dict["tok_embeddings.weight_int8"]
+    written = sum(f.stat().st_size for f in out.iterdir())
+    assert written < 1.25 * os.path.getsize(smollm2_gguf)  # fp32 scales and zeros: GGUF keeps fp16 d and m
     text = "Hi<|im_end|> ½ ① 東京 code:\n\tx = 1"
     assert native.tokenizer.encode(text) == original.tokenizer.encode(text)
     assert native.tokenizer.eos_ids == original.tokenizer.eos_ids

@@ -37,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny model every checkpoint below holds.
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 97, 64, 96, 2, 4, 2
 HEAD_DIM = HIDDEN // HEADS
+CONTEXT = 1024  # the HF folder's max_position_embeddings
 
 
 # --- helpers -----------------------------------------------------------------
@@ -153,7 +154,7 @@ def hf_folder(tmp_path_factory) -> str:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
                                       num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                      num_key_value_heads=KV_HEADS, max_position_embeddings=128)
+                                      num_key_value_heads=KV_HEADS, max_position_embeddings=CONTEXT)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     vocab = {chr(32 + i): i for i in range(95)}  # printable ASCII
     vocab.update({"<unk>": 95, "</s>": 96})
@@ -411,10 +412,31 @@ def test_native_missing_tensor_is_named(native_folder, tmp_path):
 
 # --- generation --------------------------------------------------------------
 
-def test_prompt_longer_than_the_context_is_refused(llm):
+def test_prompt_longer_than_the_cache_names_the_option_that_raises_it(llm):
     with pytest.raises(BriskError) as e:
         llm.generate("x" * 40, max_new_tokens=1)
-    brisk_error(e, "40 tokens", "context of 16 tokens")
+    brisk_error(e, "40 tokens", "KV cache of 16 tokens", "--max_seq_length", f"context of {CONTEXT} tokens")
+
+
+def test_the_default_cache_covers_the_model_context(hf_folder):
+    assert brisklm.load(hf_folder, device="cpu").generator.max_seq_length == CONTEXT
+
+
+def test_a_cache_past_the_model_context_is_refused_unless_allowed(hf_folder):
+    with pytest.raises(BriskError) as e:
+        brisklm.load(hf_folder, device="cpu", max_seq_length=CONTEXT + 1)
+    brisk_error(e, f"max_seq_length {CONTEXT + 1}", f"context of {CONTEXT} tokens", "--allow_long_context")
+    llm = brisklm.load(hf_folder, device="cpu", max_seq_length=CONTEXT + 1, allow_long_context=True)
+    assert llm.generator.max_seq_length == CONTEXT + 1
+
+
+def test_a_default_cache_is_capped_by_free_memory(hf_folder, monkeypatch, capsys):
+    from brisklm import api
+    per_position = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # bf16 keys and values
+    monkeypatch.setattr(api, "free_memory_bytes", lambda device: 2 * 256 * per_position)
+    llm = brisklm.load(hf_folder, device="cpu", quiet=False)
+    assert llm.generator.max_seq_length == 256
+    assert "capped at 256 tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan")])
@@ -445,7 +467,8 @@ def test_non_positive_max_seq_length_is_a_brisk_error(hf_folder, length):
 
 def test_max_seq_length_too_large_for_memory_is_a_brisk_error(hf_folder):
     with pytest.raises(BriskError) as e:
-        brisklm.load(hf_folder, device="cpu", max_seq_length=10**10)  # a KV cache of terabytes
+        brisklm.load(hf_folder, device="cpu", max_seq_length=10**10,
+                     allow_long_context=True)  # a KV cache of terabytes
     brisk_error(e, "max_seq_length", "does not fit in memory")
 
 

@@ -65,9 +65,9 @@ def test_a_diverging_prompt_reuses_only_the_common_prefix():
     assert got == reference_greedy(model, [5, 6, 9], 6)
 
 
-def test_prompt_plus_new_tokens_must_fit_the_context():
+def test_prompt_plus_new_tokens_must_fit_the_cache():
     gen = Generator(tiny_model(), 16)
-    with pytest.raises(ValueError, match="context of 16"):
+    with pytest.raises(ValueError, match="KV cache of 16"):
         list(gen.tokens(list(range(10)), 10, GREEDY))
 
 

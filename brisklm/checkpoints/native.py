@@ -30,24 +30,27 @@ def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Token
         os.makedirs(folder, exist_ok=True)
     except OSError as e:
         raise BriskError(f"{folder}: cannot create the output folder ({e.strerror})") from None
-    tensors, seen = {}, set()
+    tensors, aliases, seen = {}, {}, {}
 
-    def own(t):  # safetensors stores no shared memory (a GGUF's tied Q8_0 embedding and output)
-        t = t.contiguous()
-        t = t.clone() if t.data_ptr() in seen else t
-        seen.add(t.data_ptr())
-        return t
+    def add(key, t):
+        # safetensors stores no shared memory: a tensor kept under two names (a
+        # GGUF's tied Q8_0 embedding and output) is written once, the second
+        # name an alias of the first.
+        if t.data_ptr() in seen and tensors[seen[t.data_ptr()]].shape == t.shape:
+            aliases[key] = seen[t.data_ptr()]
+            return
+        seen[t.data_ptr()] = key
+        tensors[key] = t.contiguous()
 
     for name in canonical_names(args):
         parts = None if name in state_dict else quantized_entries(state_dict, name)
-        if parts is None:
-            tensors[name] = own(state_dict[name])
-        else:
-            tensors.update({f"{name}_{s}": own(t) for s, t in parts.items()})
+        for key, t in ({name: state_dict[name]} if parts is None else
+                       {f"{name}_{s}": t for s, t in parts.items()}).items():
+            add(key, t)
     try:
         save_file(tensors, os.path.join(folder, "model.safetensors"))
         info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
-                "quantization": quantization,
+                "quantization": quantization, "aliases": aliases,
                 "tokenizer": tokenizer.save(folder) if tokenizer else None}
         with open(os.path.join(folder, "brisk.json"), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=1)
@@ -67,19 +70,26 @@ def load_native(folder: str, device, dtype, progress=None) -> Checkpoint:
     if info.get("version") != FORMAT_VERSION:
         raise BriskError(f"{meta_path}: unsupported format version {info.get('version')!r}")
     weights = os.path.join(folder, "model.safetensors")
-    state = {}
+    state, aliases, read = {}, info.get("aliases") or {}, {}
     try:
         with safe_open(weights, framework="pt", device=str(device)) as f:
-            keys = set(f.keys())
+            keys = set(f.keys()) | set(aliases)
+
+            def get(key):  # an alias is the tensor it names, read once
+                stored = aliases.get(key, key)
+                if stored not in read:
+                    read[stored] = f.get_tensor(stored)
+                return read[stored]
+
             for name, shape in tracked(canonical_names(args).items(), progress):
                 if name not in keys:
                     quantized = [k for k in keys if k.startswith(name + "_")]
                     if not quantized:
                         raise BriskError(f"{weights}: missing tensor {name!r}")
                     # Quantized entries keep their own dtypes (integers, fp32 scales).
-                    state.update({k: f.get_tensor(k) for k in quantized})
+                    state.update({k: get(k) for k in quantized})
                     continue
-                t = f.get_tensor(name)
+                t = get(name)
                 if tuple(t.shape) != shape:
                     raise BriskError(f"{weights}: tensor {name!r} has shape {tuple(t.shape)}, "
                                      f"expected {shape}")
