@@ -71,6 +71,16 @@ def test_prompt_plus_new_tokens_must_fit_the_cache():
         list(gen.tokens(list(range(10)), 10, GREEDY))
 
 
+@pytest.mark.parametrize("length, window", [(1000, None), (1024, None), (2048, 300), (1500, 128)])
+def test_the_causal_block_mask_equals_the_mask_evaluated_everywhere(length, window):
+    from torch.nn.attention.flex_attention import create_block_mask
+    from brisklm.model import causal_block_mask, visible
+    dense = create_block_mask(lambda b, h, q, k: visible(q, k, window), None, None, length, length, device="cpu")
+    made = causal_block_mask(length, "cpu", window)
+    assert torch.equal(made.to_dense(), dense.to_dense())
+    assert torch.equal(made.kv_num_blocks + made.full_kv_num_blocks, dense.kv_num_blocks + dense.full_kv_num_blocks)
+
+
 def test_seeded_sampling_is_reproducible():
     model = tiny_model()
     params = SamplingParams(temperature=1.0, top_k=20)
