@@ -203,9 +203,23 @@ class ScaledWeightOnlyLinear(nn.Module):
             # dense matmul measured 3-30x faster than this kernel on the CPU.
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(1, -1), self.weight, self.scale)
             y = y.reshape(*x.shape[:-1], self.out_features)
-        else:
+        elif one_token:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+        else:
+            y = dequantized_matmul(x, self.weight) * self.scale
         return y if self.bias is None else y + self.bias
+
+
+@torch.library.custom_op("brisklm::dequantized_matmul", mutates_args=())
+def dequantized_matmul(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """x @ codes^T, the codes widened to x's dtype first, in an op the compiler
+    cannot see into: compiled prefill fused the widening into a matmul of its
+    own that read every weight once per token (int8 Llama-3.1-8B on an H200:
+    3.1 s to first token for 200 tokens, against 33 ms uncompiled)."""
+    return F.linear(x, codes.to(x.dtype))
+
+
+dequantized_matmul.register_fake(lambda x, codes: x.new_empty(*x.shape[:-1], codes.shape[0]))
 
 
 @torch.library.custom_op("brisklm::as_buffer", mutates_args=())
