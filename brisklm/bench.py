@@ -146,8 +146,10 @@ def _to_hf_state_dict(args, state):
     return out
 
 
-def hf_peer_figures(llm, prompt_len, new_tokens, samples):
-    """transformers' LlamaForCausalLM on the same weights: static cache, auto-compiled."""
+def hf_peer_figures(llm, prompt_len, new_tokens, samples, static=True, ttft_lengths=()):
+    """transformers' LlamaForCausalLM on the same weights: static cache,
+    auto-compiled (static), or its default dynamic cache, eager. Time to first
+    token also for prompts of ttft_lengths tokens."""
     import transformers
     args, device = llm.model.args, llm.generator.device
     config = transformers.LlamaConfig(**{k: v for k, v in args.to_dict().items()
@@ -157,35 +159,39 @@ def hf_peer_figures(llm, prompt_len, new_tokens, samples):
     state = _to_hf_state_dict(args, dict(llm.model.state_dict()))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config, device=device)
+    rope = type(model.model.rotary_emb)
+    try:
+        model.model.rotary_emb = rope(config, device=device)
+    except TypeError:  # transformers >= 5.2x: no device argument
+        model.model.rotary_emb = rope(config).to(device)
     model.eval()
-    model.generation_config.cache_implementation = "static"
+    if static:
+        model.generation_config.cache_implementation = "static"
     ids = torch.tensor([_prompt(prompt_len, args.vocab_size)], device=device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               pad_token_id=0)
 
-    def timed_generate():
+    def timed_generate(ids, **kw):
         _sync(device)
         t0 = time.perf_counter()
         model.generate(ids, **kw)
         _sync(device)
         return time.perf_counter() - t0
 
+    def ttft(ids):
+        one = dict(kw, max_new_tokens=1, min_new_tokens=1)
+        return statistics.median(timed_generate(ids, **one) for _ in range(3))
+
     with torch.no_grad():
-        first = timed_generate()
-        kw1 = dict(kw, max_new_tokens=1, min_new_tokens=1)
-        t_prefill = []
-        for _ in range(3):
-            _sync(device)
-            t0 = time.perf_counter()
-            model.generate(ids, **kw1)
-            _sync(device)
-            t_prefill.append(time.perf_counter() - t0)
-        totals = [timed_generate() for _ in range(samples)]
-    total, prefill_s = statistics.median(totals), statistics.median(t_prefill)
+        first = timed_generate(ids, **kw)
+        prefill_s = ttft(ids)
+        totals = [timed_generate(ids, **kw) for _ in range(samples)]
+        by_length = {n: ttft(torch.tensor([_prompt(n, args.vocab_size, seed=n)], device=device)) * 1e3
+                     for n in ttft_lengths}
+    total = statistics.median(totals)
     return {"first_call_s": first, "tokens_per_s_incl_prefill": new_tokens / total,
             "tokens_per_s": (new_tokens - 1) / max(total - prefill_s, 1e-9),
-            "ttft_ms": prefill_s * 1e3}
+            "ttft_ms": prefill_s * 1e3, "ttft_ms_by_length": by_length}
 
 
 def _model_args(opts):

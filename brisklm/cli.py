@@ -21,8 +21,12 @@ def _model_flags(p: argparse.ArgumentParser):
                    help="a named shape with random weights instead of a checkpoint (see presets.py)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
-    p.add_argument("--compile_prefill", action="store_true", help="torch.compile prefill too (dynamic shapes)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the decode step, and on CUDA prefill (the default on CUDA, not on CPUs)")
+    p.add_argument("--no_compile", dest="compile", action="store_false",
+                   help="run the steps uncompiled (on CUDA the decode step is still replayed from a CUDA graph)")
+    p.add_argument("--compile_prefill", action="store_true", default=None,
+                   help="torch.compile prefill too, dynamic shapes (default: on CUDA when compiling)")
     p.add_argument("--max_seq_length", type=_positive_int, default=None,
                    help="KV cache length (default: the model's context, capped by free memory)")
     p.add_argument("--allow_long_context", action="store_true",

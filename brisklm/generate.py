@@ -13,6 +13,7 @@ reuses the cache instead of re-reading the history).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -95,6 +96,37 @@ def decode_one_token(model: Transformer, token, input_pos, params: SamplingParam
     return sample(logits[:, -1], params)
 
 
+def replayed(step):
+    """`step` (decode_one_token, uncompiled) captured in a CUDA graph, one per
+    sampling setting, and replayed. Uncompiled, a step is ~1,000 small
+    launches whose Python costs ~40 ms a token on an H200's host (SmolLM2,
+    whose kernels take 2.5 ms: 23 tokens/s); replayed, it is one launch. Its
+    inputs are copied into the graph's own; the output is the graph's, so the
+    caller clones it. The run before capture (which Triton's first compile
+    needs) writes the token's key and value where the replay writes them again."""
+    graphs = {}
+
+    def run(model, token, input_pos, params, kv_len=None, block_mask=None):
+        if params not in graphs:
+            inputs = (token.clone(), input_pos.clone())
+            side = torch.cuda.Stream(token.device)  # capture wants the warm-up off the main stream
+            side.wait_stream(torch.cuda.current_stream(token.device))
+            with torch.cuda.stream(side):
+                step(model, *inputs, params)
+            torch.cuda.current_stream(token.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step(model, *inputs, params)
+            graphs[params] = graph, inputs, out
+        graph, (static_token, static_pos), out = graphs[params]
+        static_token.copy_(token)
+        static_pos.copy_(input_pos)
+        graph.replay()
+        return out
+
+    return run
+
+
 def weight_bytes_per_token(model: Transformer) -> int:
     """Bytes of weights one decode step reads: every matrix once, one embedding
     row. A tensor the embedding shares with the output layer (tied weights, or
@@ -143,6 +175,13 @@ class Generator:
         self._decode = decode_one_token
         self._prefill = prefill
         self.block_mask = None
+        # Uncompiled on CUDA, the step is replayed from a CUDA graph where its
+        # attention reads the filled length on the device (the Triton kernel);
+        # BRISKLM_CUDA_GRAPHS=0 runs it op by op (for debugging and profiles).
+        self.graphed = (not compile and self.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0"
+                        and attention_kernel.supported(self.device, 1, 1, model.args.head_dim))
+        if self.graphed:
+            self._decode = replayed(decode_one_token)
         if compile:
             if not attention_kernel.supported(self.device, 1, 1, model.args.head_dim):
                 self.block_mask = causal_block_mask(max_seq_length, self.device, model.args.sliding_window)
@@ -203,7 +242,7 @@ class Generator:
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=start,
                                              weight_bytes=self.stats.weight_bytes)
         stop = set(stop_ids)
-        eager = not self.compiled
+        eager = not self.compiled and not self.graphed  # (eager steps slice the cache on the host)
         t0 = time.perf_counter()
         new = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=self.device)
         pos = torch.arange(start, len(prompt_ids), device=self.device)

@@ -51,6 +51,21 @@ def test_the_cli_runs_without_triton():
                  "--temperature", "0")
     assert done.returncode == 0, done.stderr
     assert "Sample 1: 3 tokens" in done.stderr
+    assert "Compiling" not in done.stderr  # CPUs run uncompiled by default
+
+
+def test_the_steps_are_compiled_by_default_on_cuda_only():
+    import torch
+    import brisklm
+    from brisklm.api import default_compile
+    from brisklm.cli import build_parser
+    assert default_compile("cuda") and default_compile(torch.device("cuda:1")) and not default_compile("cpu")
+    # The CLI leaves the choice to load() unless told: both follow default_compile.
+    parse = lambda *flags: build_parser().parse_args(["generate", *flags])  # noqa: E731
+    assert parse().compile is None and parse().compile_prefill is None
+    assert parse("--compile").compile is True and parse("--no_compile").compile is False
+    gen = brisklm.load(preset="smollm2-135m", device="cpu", max_seq_length=64).generator
+    assert not gen.compiled and not gen.graphed
 
 
 def test_a_prompt_too_long_for_the_cache_names_the_option_and_the_model_context(smollm2_gguf):
