@@ -132,3 +132,18 @@ def test_the_readme_python_example_runs(smollm2_gguf):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.endswith("\n") and "Paris" in done.stdout.splitlines()[0]
+
+
+def test_the_kernels_are_taken_on_nvidia_gpus_only(monkeypatch):
+    import torch
+    from brisklm.kernels import attention, gemv
+    if gemv.triton is None:
+        pytest.skip("triton is not installed")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert gemv.available(cuda) and attention.supported(cuda, 1, 1, 64)
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # a ROCm build names its GPUs "cuda" too
+    assert not gemv.available(cuda) and not attention.supported(cuda, 1, 1, 64)
+    for other in ("cpu", "mps"):
+        assert not gemv.available(torch.device(other))

@@ -87,6 +87,7 @@ def test_seeded_sampling_is_reproducible():
     a = list(Generator(model, 64).tokens([1, 2], 15, params, seed=7))
     b = list(Generator(model, 64).tokens([1, 2], 15, params, seed=7))
     assert a == b
+    assert list(Generator(model, 64).tokens([1, 2], 15, params, seed=8)) != a  # the noise is used
 
 
 def test_weight_bytes_count_one_embedding_row_unless_tied():
@@ -336,7 +337,7 @@ def test_a_step_saved_by_other_source_code_is_not_loaded_back(tmp_path, monkeypa
     assert precompile.artifacts_path(model, {}) != path
 
 
-def test_short_reductions_are_compiled_with_a_fixed_block():
+def test_short_reductions_are_compiled_with_a_fixed_block(monkeypatch):
     """The decode step's compiler choices fix reductions of under 256 values
     (gemv.pack_x's groups) at SHORT_REDUCTION_BLOCK: inductor's timed pick
     among three block sizes varied between compiles (1.5 against ~5 us for the
@@ -359,4 +360,7 @@ def test_short_reductions_are_compiled_with_a_fixed_block():
     assert fixed(32, 128, reduction=False) is None  # pointwise
     assert fixed("s0", 128) is None  # dynamic sizes (prefill)
     assert fixed(32, 128, mix_order_reduction=True) is None
-    assert choices.uuid() != "brisklm-one-pass-reductions-8192"  # a new key for the compiler's cache
+    # The compiler's cache is keyed by the block: another block compiles anew.
+    key = choices.uuid()
+    monkeypatch.setitem(SHORT_REDUCTION_BLOCK, "XBLOCK", 2 * SHORT_REDUCTION_BLOCK["XBLOCK"])
+    assert choices.uuid() != key

@@ -69,6 +69,8 @@ def test_same_seed_same_samples():
     torch.manual_seed(123)
     b = sample(logits, params)
     assert torch.equal(a, b)
+    torch.manual_seed(124)
+    assert not torch.equal(sample(logits, params), a)  # the noise is used
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0),

@@ -62,10 +62,12 @@ def interpreted() -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the Triton GEMVs can run for tensors on `device`."""
+    """Whether the Triton GEMVs can run for tensors on `device`: NVIDIA GPUs
+    only (the kernels use NVIDIA's PTX; a ROCm build of torch also names its
+    GPUs "cuda"), or any device under the interpreter."""
     if triton is None:
         return False
-    return device.type == "cuda" or interpreted()
+    return (device.type == "cuda" and torch.version.hip is None) or interpreted()
 
 
 # Block sizes (BLOCK_N, BLOCK_K, SPLIT_K, num_warps) per weight element size in
