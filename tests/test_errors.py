@@ -480,12 +480,14 @@ def test_unknown_device_is_a_brisk_error(hf_folder):
 
 # --- the command line --------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_missing_checkpoint_prints_one_error_line(tmp_path):
     path = str(tmp_path / "no-such-model")
     result = run_cli(tmp_path, "generate", "--checkpoint_path", path)
     assert_cli_error(result, path, "no such file or folder")
 
 
+@pytest.mark.slow
 def test_cli_corrupt_gguf_prints_one_error_line(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf")
     truncate(path)
@@ -493,22 +495,27 @@ def test_cli_corrupt_gguf_prints_one_error_line(tmp_path):
     assert_cli_error(result, path, "corrupt or truncated")
 
 
+@pytest.mark.slow
 def test_cli_unknown_preset_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "generate", "--preset", "no-such-preset")
     assert_cli_error(result, "no-such-preset")
 
 
+@pytest.mark.slow
 def test_cli_bench_on_an_unusable_device_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "bench", "--preset", "smollm2-135m", "--device", "no-such-device")
     assert_cli_error(result, "no-such-device", "not usable")
 
 
+@pytest.mark.compile
+@pytest.mark.slow
 def test_cli_unknown_compile_option_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "generate", "--preset", "smollm2-135m", "--compile", "--prompt", "hi",
                      "--compile_options", '{"no_such_option": 1}')
     assert_cli_error(result, "no_such_option")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["generate", "--num_samples"], ["bench", "--samples"],
                                      ["eval", "--perplexity", "--window"], ["eval", "--perplexity", "--max_tokens"]])
 def test_cli_zero_samples_is_refused(tmp_path, command):
@@ -517,6 +524,7 @@ def test_cli_zero_samples_is_refused(tmp_path, command):
     assert "must be >= 1, got 0" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_quantize_to_an_unwritable_folder_prints_one_error_line(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf")
     result = run_cli(tmp_path, "quantize", "--checkpoint_path", path, "--mode", "int8",
@@ -524,22 +532,26 @@ def test_cli_quantize_to_an_unwritable_folder_prints_one_error_line(tmp_path):
     assert_cli_error(result, "/proc/no-such-folder/out", "cannot create")
 
 
+@pytest.mark.slow
 def test_cli_chat_without_a_tokenizer_is_refused_before_the_first_message(tmp_path):
     result = run_cli(tmp_path, "chat", "--preset", "smollm2-135m", "--device", "cpu")
     assert_cli_error(result, "smollm2-135m", "no tokenizer")
 
 
+@pytest.mark.slow
 def test_cli_bench_unknown_preset_is_refused_before_measuring(tmp_path):
     result = run_cli(tmp_path, "bench", "--preset", "no-such-model", "--device", "cpu")
     assert_cli_error(result, "no-such-model")
     assert "Measuring" not in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_unknown_dtype_prints_one_error_line(tmp_path):
     result = run_cli(tmp_path, "generate", "--dtype", "int3", "--preset", "smollm2-135m")
     assert_cli_error(result, "int3")
 
 
+@pytest.mark.slow
 def test_cli_negative_temperature_prints_one_error_line(hf_folder, tmp_path):
     result = run_cli(tmp_path, "generate", "--checkpoint_path", hf_folder, "--device", "cpu",
                      "--temperature", "-1", "--max_new_tokens", "2")

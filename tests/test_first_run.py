@@ -28,6 +28,7 @@ def one_error_line(done):
     return lines[-1]
 
 
+@pytest.mark.slow
 def test_brisklm_imports_and_generates_without_triton():
     done = python(BLOCK_TRITON + """
 import torch, brisklm
@@ -46,6 +47,7 @@ print(list(Generator(model, 32).tokens([1, 2, 3], 5, SamplingParams())))
     assert len(ids) == 5 and all(0 <= i < 61 for i in ids)
 
 
+@pytest.mark.slow
 def test_the_cli_runs_without_triton():
     done = brisk("generate", "--preset", "smollm2-135m", "--device", "cpu", "--max_new_tokens", "3",
                  "--temperature", "0")
@@ -68,6 +70,7 @@ def test_the_steps_are_compiled_by_default_on_cuda_only():
     assert not gen.compiled and not gen.graphed
 
 
+@pytest.mark.slow
 def test_a_prompt_too_long_for_the_cache_names_the_option_and_the_model_context(smollm2_gguf):
     done = brisk("generate", "--checkpoint_path", smollm2_gguf, "--max_seq_length", "16",
                  "--prompt", "The capital of France is " * 10, "--max_new_tokens", "4")
@@ -75,11 +78,13 @@ def test_a_prompt_too_long_for_the_cache_names_the_option_and_the_model_context(
     assert "KV cache of 16 tokens" in line and "--max_seq_length" in line and "context of 8192" in line
 
 
+@pytest.mark.slow
 def test_a_cache_past_the_model_context_is_refused_in_one_line(smollm2_gguf):
     line = one_error_line(brisk("generate", "--checkpoint_path", smollm2_gguf, "--max_seq_length", "9000"))
     assert "context of 8192 tokens" in line and "--allow_long_context" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, value", [("--temperature", "-1"), ("--top_p", "1.5"), ("--top_p", "0"),
                                          ("--min_p", "2"), ("--top_k", "0")])
 @pytest.mark.parametrize("command", ["generate", "chat"])
@@ -90,12 +95,14 @@ def test_bad_sampling_values_fail_before_the_model_loads(command, flag, value, t
     assert flag[2:] in line and "missing.gguf" not in line
 
 
+@pytest.mark.slow
 def test_a_usage_mistake_prints_one_line():
     done = brisk("generate", "--max_new_tokens", "many")
     line = one_error_line(done)
     assert "--max_new_tokens" in line and len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_chat_survives_an_oversized_message_and_drops_the_oldest_turns(smollm2_gguf):
     questions = ["word " * 300, "What is the capital of France?", "And of Italy?", "And of Spain?",
                  "And of Germany?", "What is the capital of France?"]
@@ -111,6 +118,7 @@ def test_chat_survives_an_oversized_message_and_drops_the_oldest_turns(smollm2_g
     assert "Rome" in done.stdout and "Berlin" in done.stdout
 
 
+@pytest.mark.slow
 def test_quantize_says_why_its_output_outgrows_a_4_bit_source(smollm2_gguf, tmp_path):
     out = tmp_path / "int8"
     done = brisk("quantize", "--checkpoint_path", smollm2_gguf, "--mode", "int8", "--output", str(out))
@@ -121,6 +129,7 @@ def test_quantize_says_why_its_output_outgrows_a_4_bit_source(smollm2_gguf, tmp_
         assert line in done.stderr, line
 
 
+@pytest.mark.slow
 def test_the_readme_python_example_runs(smollm2_gguf):
     if os.path.basename(smollm2_gguf) != "SmolLM2-135M-Instruct.Q4_1.gguf":
         pytest.skip("default model not in a brisk cache folder")

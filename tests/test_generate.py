@@ -99,6 +99,8 @@ def test_weight_bytes_count_one_embedding_row_unless_tied():
     assert weight_bytes_per_token(tied) == sum(p.numel() for p in tied.parameters()) * 4
 
 
+@pytest.mark.compile
+@pytest.mark.slow
 def test_compiled_decode_step_equals_eager():
     model = tiny_model()
     eager = list(Generator(model, 64).tokens([1, 2, 3], 12, GREEDY))
@@ -106,6 +108,7 @@ def test_compiled_decode_step_equals_eager():
     assert compiled == eager
 
 
+@pytest.mark.compile
 def test_compiled_q8_0_decode_step_equals_eager():
     """Q8_0 matrices (mode q8_0) in a bf16 model on a CPU: the compiled step
     reads them rows-last (GroupedInt8Linear.rows_last), wo straight after
@@ -121,6 +124,7 @@ def test_compiled_q8_0_decode_step_equals_eager():
     assert compiled == eager
 
 
+@pytest.mark.compile
 def test_sliding_window_decoding_equals_recomputation_eager_and_compiled():
     args = ModelArgs(**{**TINY.to_dict(), "sliding_window": 4})
     model = tiny_model(args=args)
@@ -164,6 +168,7 @@ def test_int8_kv_cache_halves_the_cache_and_stays_close():
     assert ((got[:, :, 2:3] - k).abs() <= k.abs().amax(-1, keepdim=True) / 254 + 1e-6).all()
 
 
+@pytest.mark.compile
 def test_int8_kv_cache_compiled_equals_eager():
     model = tiny_model()
     eager = list(Generator(model, 64, kv_int8=True).tokens([1, 2, 3], 10, GREEDY))
@@ -201,6 +206,7 @@ def test_chat_stops_at_end_of_turn_and_reuses_the_cache(smol_llm):
     assert second and smol_llm.stats.reused_tokens > 20
 
 
+@pytest.mark.slow
 def test_int8_kv_cache_on_the_real_model(smollm2_gguf):
     """SmolLM2 with an int8 KV cache: next-token distributions within a small KL
     of the full cache over a 40-token text, and the same answer."""
@@ -234,6 +240,8 @@ print("traced", counters["stats"]["unique_graphs"])
 """
 
 
+@pytest.mark.compile
+@pytest.mark.slow
 def test_compiled_decode_step_is_loaded_back_without_tracing(tmp_path):
     """The second process loads the decode step and the dynamic-length prefill
     that the first traced and compiled (Dynamo's output included), traces
@@ -280,6 +288,8 @@ print(fn(torch.ones(3)).tolist())
 """
 
 
+@pytest.mark.compile
+@pytest.mark.slow
 def test_a_step_traced_under_other_constants_is_not_loaded_back(tmp_path):
     """torch's caching precompile keys what it saves by the function's name and
     line only; a step compiled under another table must not come back from it,
@@ -302,6 +312,8 @@ def test_a_step_traced_under_other_constants_is_not_loaded_back(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2.bin", "step-3.bin"]
 
 
+@pytest.mark.compile
+@pytest.mark.slow
 def test_a_step_saved_by_other_source_code_is_not_loaded_back(tmp_path, monkeypatch):
     """A saved step was traced through our Python code, which it skips when
     loaded: its file is keyed by a digest of the package's source, so another

@@ -104,11 +104,13 @@ def run_interpreted(code: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes():
     out = run_interpreted(f"SHAPES = {SHAPES!r}\n" + CHILD)
     assert "worst relative error" in out
 
 
+@pytest.mark.slow
 def test_quantized_model_through_the_kernels_matches_its_dequantized_weights():
     out = run_interpreted(MODEL_CHILD)
     assert out.split() == ["int8", "ok", "fp8", "ok", "int4", "ok"]
@@ -192,10 +194,12 @@ print("model ok")
 """
 
 
+@pytest.mark.slow
 def test_decode_attention_kernel_matches_fp64():
     assert "attention ok" in run_interpreted(ATTENTION_CHILD)
 
 
+@pytest.mark.slow
 def test_model_decodes_the_same_through_the_attention_kernel():
     assert "model ok" in run_interpreted(MODEL_ATTENTION_CHILD)
 
@@ -246,10 +250,12 @@ print("ops ok", len(cases) + 1)
 """
 
 
+@pytest.mark.slow
 def test_custom_ops_fake_implementations_and_schemas():
     assert "ops ok 11" in run_interpreted(OPS_CHILD)
 
 
+@pytest.mark.compile
 def test_gemv_blocks_are_a_constant_of_the_traced_graph():
     """The GEMV ops take their block sizes as an argument, looked up while
     tracing without a graph break: a cached graph records them, so a retuned
@@ -509,12 +515,14 @@ print("norm ok", worst, worst_bf16)
 """
 
 
+@pytest.mark.slow
 def test_int4_gemv_applies_the_norm_before_it():
     """int4: the norm's weight folded into x's planes, its 1/rms into the sums;
     bf16: its weight into x, its 1/rms into the sums."""
     assert "norm ok" in run_interpreted(NORM_CHILD)
 
 
+@pytest.mark.slow
 def test_dp4a_kernels_represent_x_within_their_bound():
     """x's int8 planes inside the dp4a kernels hold x within step / 508 per
     block of inputs, at any scale and with outliers, read through identity

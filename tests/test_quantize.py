@@ -101,6 +101,7 @@ def test_quantized_model_with_attention_bias_matches_its_dequantized_weights():
 
 # --- GGUF Q4_1 blocks kept as int4 --------------------------------------------------
 
+@pytest.mark.slow
 def test_gguf_q4_blocks_are_kept_exactly(smollm2_gguf):
     """The int4 entries stand for exactly the values the gguf library dequantizes."""
     dense = load(smollm2_gguf, dtype=torch.float32)
@@ -112,6 +113,7 @@ def test_gguf_q4_blocks_are_kept_exactly(smollm2_gguf):
         assert torch.equal(dequantize(quantized_entries(kept.state_dict, name)), dense.state_dict[name]), name
 
 
+@pytest.mark.slow
 def test_gguf_native_logits_equal_the_dequantized_model(smollm2_gguf):
     """Bound: with fp32 scales and zeros the int4 kernel differs from a dense matmul
     over the same dequantized weights only in summation order: <= 1e-5 relative.
@@ -133,6 +135,7 @@ def test_gguf_native_logits_equal_the_dequantized_model(smollm2_gguf):
 
 # --- quality on the real model ----------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,groupsize,dtype,max_ppl_increase,max_kl", [
     # fp32: the int8 kernel runs in fp32 on the CPU, so this is the format's own error
     ("int8", None, torch.float32, 0.005, 0.01),
@@ -157,6 +160,7 @@ def test_quantized_quality_bounds(smollm2_gguf, mode, groupsize, dtype, max_ppl_
     assert 0 <= kl <= max_kl
 
 
+@pytest.mark.slow
 def test_gguf_native_quality_in_bf16(smollm2_gguf):
     """In bf16 the int4 kernel rounds scales and zeros to bf16: measured +0.45%, KL 0.002."""
     ckpt = load(smollm2_gguf, dtype=torch.bfloat16)
@@ -187,6 +191,7 @@ def test_quantized_checkpoint_round_trip_is_bit_exact(tmp_path, mode):
         assert torch.equal(a(ids, torch.arange(3)), b(ids, torch.arange(3)))
 
 
+@pytest.mark.slow
 def test_gptq_beats_rtn_at_the_same_group_size(smollm2_gguf):
     """GPTQ (calibrated on the end of pydoc_data.topics) against RTN, both int4 g128,
     scored on the start of it. Measured: GPTQ +25.5% perplexity, KL 0.22; RTN +55.4%, KL 0.43."""

@@ -13,6 +13,7 @@ def test_greedy_is_argmax():
     assert torch.equal(sample(logits, SamplingParams(temperature=1.0, top_k=1)), logits.argmax(-1))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("vocab", [50, 1024, 1025, 49152, 128256])
 def test_chunked_argmax_equals_argmax_ties_included(vocab):
     """Two stages (chunk maxima, then the best chunk), the same index as one argmax, eager

@@ -58,6 +58,7 @@ def _prompt_ids(llm, case):
     return llm.tokenizer.encode(llm.apply_chat_template(case), add_bos=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", PROMPTS + CHATS, ids=[f"p{i}" for i in range(len(PROMPTS))]
                          + [f"chat{i}" for i in range(len(CHATS))])
 def test_greedy_tokens_match_transformers(models, case):
