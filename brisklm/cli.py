@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 
 from .errors import BriskError
 
@@ -258,9 +257,10 @@ def cmd_chat(args):
                                            lambda m: llm.fits(llm.chat_ids(m), args.max_new_tokens))
         ids = llm.chat_ids(asked)
         if len(ids) >= capacity:
+            more = (f"--max_seq_length raises it, up to the model's context of {llm.context}"
+                    if capacity < llm.context else "the model's whole context")
             print(f"error: this message makes a prompt of {len(ids)} tokens, more than the KV cache of "
-                  f"{capacity} holds (--max_seq_length raises it, up to the model's context of "
-                  f"{llm.context}); it was not sent", file=sys.stderr)
+                  f"{capacity} holds ({more}); it was not sent", file=sys.stderr)
             continue
         if dropped and not told_of_dropping:
             print(f"(The conversation outgrew the KV cache of {capacity} tokens: its oldest turns are left "

@@ -98,9 +98,9 @@ def decode_one_token(model: Transformer, token, input_pos, params: SamplingParam
 
 def replayed(step):
     """`step` (decode_one_token, uncompiled) captured in a CUDA graph, one per
-    sampling setting, and replayed. Uncompiled, a step is ~1,000 small
-    launches whose Python costs ~40 ms a token on an H200's host (SmolLM2,
-    whose kernels take 2.5 ms: 23 tokens/s); replayed, it is one launch. Its
+    sampling setting, and replayed. Uncompiled, a step is ~1,300 small
+    launches whose Python costs far more than their kernels (SmolLM2 on an
+    H200: 37 against 2.5 ms a token); replayed, it is one launch. Its
     inputs are copied into the graph's own; the output is the graph's, so the
     caller clones it. The run before capture (which Triton's first compile
     needs) writes the token's key and value where the replay writes them again."""
