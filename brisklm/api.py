@@ -207,54 +207,61 @@ class LLM:
             stop_ids = self.tokenizer.eos_ids if self.tokenizer else ()
         try:
             params = SamplingParams(temperature, top_k, top_p, min_p)
-            self.generator.check(prompt_ids, max_new_tokens)
         except ValueError as e:
-            raise BriskError(self._explain(str(e))) from None
+            raise BriskError(str(e)) from None
+        self.check(prompt_ids, max_new_tokens)
         return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed)
 
-    def _explain(self, message: str) -> str:
-        """A request too long for the cache: say what raises it, and how far."""
-        if "exceeds the KV cache" not in message:
-            return message
+    def check(self, prompt_ids: list[int], max_new_tokens: int):
+        """A BriskError for a request this model cannot serve; one too long
+        for the KV cache says what would make it fit."""
+        if prompt_ids and max_new_tokens >= 1 and not self.fits(prompt_ids, max_new_tokens):
+            raise BriskError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                             f"KV cache of {self.generator.max_seq_length} tokens; {self.cache_advice()}")
+        try:
+            self.generator.check(prompt_ids, max_new_tokens)
+        except ValueError as e:
+            raise BriskError(str(e)) from None
+
+    def cache_advice(self) -> str:
+        """What lets a longer request fit: a longer cache, up to the model's context."""
         if self.generator.max_seq_length < self.context:
-            return (f"{message}: --max_seq_length (max_seq_length= in load()) raises it, "
+            return (f"--max_seq_length (max_seq_length= in load()) raises it, "
                     f"up to the model's context of {self.context} tokens")
-        return f"{message}, the model's whole context: shorten the prompt or max_new_tokens"
+        return "it holds the model's whole context: shorten the prompt or max_new_tokens"
 
     def fits(self, prompt_ids: list[int], max_new_tokens: int) -> bool:
         """Whether the prompt and max_new_tokens fit the KV cache."""
         return len(prompt_ids) + max_new_tokens <= self.generator.max_seq_length
 
     def warm_up(self, prompt_ids: list[int], quiet: bool = True, **sampling) -> float:
-        """Run the compiled steps once on prompt_ids with these sampling
-        settings (the compiled step specializes on them): compiling them, or
-        loading them from the compiler's cache, after saying what it costs.
-        Returns the seconds taken (0 when nothing is compiled)."""
+        """Run the decode step once on prompt_ids with these sampling settings
+        (a compiled step specializes on them), saying what it costs first:
+        compiling it, or loading it from the compiler's cache; uncompiled on
+        CUDA, building Triton's kernels and capturing the CUDA graph. Returns
+        the seconds taken (0 when there is nothing to prepare)."""
         gen = self.generator
-        if not gen.compiled:
-            if gen.graphed:  # Triton's kernels are built (or loaded from its cache) and the graph captured
-                with step("Preparing the decode step (Triton kernels, CUDA graph)", "Prepared", quiet):
-                    for _ in self.stream_ids(prompt_ids, 2, stop_ids=(), **sampling):
-                        pass
-                gen.reset()
+        if not (gen.compiled or gen.graphed):
             return 0.0
-        warm = compiled_before(gen.compile_path)
-        if warm:
-            log("Loading the compiled decode step from the compiler's cache...", quiet)
+        warm = gen.compiled and compiled_before(gen.compile_path)
+        if gen.graphed:
+            start, done = "Preparing the decode step (Triton kernels, CUDA graph)", "Prepared"
+        elif warm:
+            start, done = "Loading the compiled decode step from the compiler's cache", "Loaded the compiled step"
         elif gen.device.type == "cpu":
-            log("Compiling the decode step: about 1.5 minutes on 2 CPU cores, ~10 s at later starts "
-                "(the compiler's cache); on CPUs it pays off only for long generations...", quiet)
+            start, done = ("Compiling the decode step: about 1.5 minutes on 2 CPU cores, ~10 s at later starts "
+                           "(the compiler's cache); on CPUs it pays off only for long generations", "Compiled")
         else:
-            log("Compiling the decode step: 20-60 s, a few seconds at later starts (the compiler's cache)...",
-                quiet)
+            start, done = ("Compiling the decode step and prefill: 2-3 minutes for an 8B model on an H200, "
+                           "10-20 s at later starts (the compiler's cache)", "Compiled")
         t0 = time.perf_counter()
-        for _ in self.stream_ids(prompt_ids, 2, stop_ids=(), **sampling):
-            pass
+        with step(start, done, quiet):
+            for _ in self.stream_ids(prompt_ids, 2, stop_ids=(), **sampling):
+                pass
         gen.reset()
-        mark_compiled(gen.compile_path)
-        seconds = time.perf_counter() - t0
-        log(f"{'Loaded the compiled step' if warm else 'Compiled'} in {seconds:.1f} s", quiet)
-        return seconds
+        if gen.compiled:
+            mark_compiled(gen.compile_path)
+        return time.perf_counter() - t0
 
     def stream(self, prompt: str, max_new_tokens: int = 256, stop: list[str] | str | None = None,
                **sampling) -> Iterator[str]:

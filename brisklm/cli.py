@@ -196,7 +196,7 @@ def cmd_generate(args):
         run = lambda: llm.stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
                                               seed=args.seed, **_sampling(args))
         show = lambda piece: print(piece, end="", flush=True)  # noqa: E731
-    llm.stream_ids(prompt_ids, args.max_new_tokens)  # checks the request (raises) before any compile
+    llm.check(prompt_ids, args.max_new_tokens)  # before any compile
     llm.warm_up(prompt_ids, quiet=args.quiet, **_sampling(args))
     device = llm.generator.device
     rates = []
@@ -257,10 +257,8 @@ def cmd_chat(args):
                                            lambda m: llm.fits(llm.chat_ids(m), args.max_new_tokens))
         ids = llm.chat_ids(asked)
         if len(ids) >= capacity:
-            more = (f"--max_seq_length raises it, up to the model's context of {llm.context}"
-                    if capacity < llm.context else "the model's whole context")
             print(f"error: this message makes a prompt of {len(ids)} tokens, more than the KV cache of "
-                  f"{capacity} holds ({more}); it was not sent", file=sys.stderr)
+                  f"{capacity} holds ({llm.cache_advice()}); it was not sent", file=sys.stderr)
             continue
         if dropped and not told_of_dropping:
             print(f"(The conversation outgrew the KV cache of {capacity} tokens: its oldest turns are left "
