@@ -9,8 +9,10 @@ int4 g128): the first-run cost (load plus the first two tokens, which compile
 or capture the decode step, in a process whose caches start as the machine's
 are), decode tokens/s after a 5-token prompt (median of 3 runs of 200 greedy
 tokens) with its fraction of the read ceiling measured in the same process,
-and the time to first token for prompts of 5, 35 and 200 tokens (median of 3,
-after one run at that length).
+and the time to first token for prompts of 5, 35, 64 and 200 tokens (median
+of 3, after one run at that length). It checks that a prefill replayed from a
+CUDA graph (padded) gives the greedy tokens the plain prefill gives, and
+uncompiled, that the replayed decode step gives those of the op-by-op one.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 
-PROMPTS = (5, 35, 200)
+PROMPTS = (5, 35, 64, 200)
 MODELS = {"smollm2": {}, "bf16": {"preset": "llama-3.1-8b"},
           "int8": {"preset": "llama-3.1-8b", "quantize": "int8"},
           "int4": {"preset": "llama-3.1-8b", "quantize": "int4", "groupsize": 128}}
@@ -70,16 +72,24 @@ def measure(model: str, mode: str, gguf: str, device: str = "cuda") -> dict:
     dtype = llm.model.norm.weight.dtype
     per_token = gen.stats.weight_bytes + 105 * kv_bytes_per_position(llm.model.args, dtype)
     rate = statistics.median(rates)
-    check = {}
+    from brisklm.sampling import SamplingParams
+    ids = _prompt(35, vocab, seed=1)
+    gen.reset()
+    padded = list(gen.tokens(ids, 32, SamplingParams()))
+    graphs, gen.graphed_prefill = gen.graphed_prefill, None
+    gen.reset()
+    plain = list(gen.tokens(ids, 32, SamplingParams()))
+    gen.graphed_prefill = graphs
+    same = next((i for i, (a, b) in enumerate(zip(padded, plain)) if a != b), len(plain))
+    check = {"graphed_prefill_same_greedy_tokens": f"{same}/{len(plain)}"}
     if gen.graphed:  # the replayed step gives the tokens the op-by-op step gives
         from brisklm.generate import Generator
-        from brisklm.sampling import SamplingParams
         ids = _prompt(35, vocab, seed=1)
         gen.reset()
         replayed = list(gen.tokens(ids, 64, SamplingParams()))
         os.environ["BRISKLM_CUDA_GRAPHS"] = "0"
         plain = Generator(llm.model, gen.max_seq_length)
-        check = {"greedy_equals_op_by_op": replayed == list(plain.tokens(ids, 64, SamplingParams()))}
+        check["greedy_equals_op_by_op"] = (replayed == list(plain.tokens(ids, 64, SamplingParams())))
     return {**check, "decode": rate, "min": min(rates), "max": max(rates), "fraction": per_token * rate / ceiling / 1e9,
             "ceiling_gb_s": ceiling, "ttft_ms": ttft, "first_run_s": first_run,
             "cache": gen.max_seq_length, "compiled": gen.compiled, "graphed": gen.graphed,
@@ -116,7 +126,7 @@ def main():
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=1)
-    print("| model | path | decode tok/s | fraction of read ceiling | TTFT ms (5 / 35 / 200 tokens) "
+    print("| model | path | decode tok/s | fraction of read ceiling | TTFT ms (5 / 35 / 64 / 200 tokens) "
           "| first run s (load + first tokens) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():

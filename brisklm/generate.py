@@ -78,9 +78,12 @@ def short_reductions(x, r0_) -> bool:
     return x.is_number and r0_.is_number and int(x) <= 1024 and 1 < int(r0_) < 256
 
 
-def prefill(model: Transformer, idx, input_pos, params: SamplingParams, kv_len=None):
-    """idx: (1, T) prompt ids at positions input_pos (T,) -> next token (1,)."""
-    logits = model(idx, input_pos, last_only=True, kv_len=kv_len)  # (1, 1, V)
+def prefill(model: Transformer, idx, input_pos, params: SamplingParams, kv_len=None, last=None):
+    """idx: (1, T) prompt ids at positions input_pos (T,) -> the token after
+    position `last` along T ((1,); None: the last one), shape (1,)."""
+    if last is None:
+        last = torch.tensor([idx.shape[1] - 1], device=idx.device)
+    logits = model(idx, input_pos, last=last, kv_len=kv_len)  # (1, 1, V)
     return sample(logits[:, -1], params)
 
 
@@ -97,34 +100,60 @@ def decode_one_token(model: Transformer, token, input_pos, params: SamplingParam
 
 
 def replayed(step):
-    """`step` (decode_one_token, uncompiled) captured in a CUDA graph, one per
-    sampling setting, and replayed. Uncompiled, a step is ~1,300 small
+    """`step` captured in a CUDA graph, one per setting (the shapes of its
+    tensor arguments and the values of the others: sampling parameters, key
+    lengths), and replayed. Uncompiled, a decode step is ~1,300 small
     launches whose Python costs far more than their kernels (SmolLM2 on an
-    H200: 37 against 2.5 ms a token); replayed, it is one launch. Its
-    inputs are copied into the graph's own; the output is the graph's, so the
-    caller clones it. The run before capture (which Triton's first compile
-    needs) writes the token's key and value where the replay writes them again."""
+    H200: 37 against 2.5 ms a token); replayed, it is one launch. The tensor
+    arguments are copied into the graph's own; the output is the graph's, so
+    the caller clones it. The run before capture (which Triton's first
+    compile needs) writes the keys and values where the replay writes them
+    again. All graphs share one memory pool: they never run at once, and
+    each keeps its output."""
     graphs = {}
+    pool = []
 
-    def run(model, token, input_pos, params, kv_len=None, block_mask=None):
-        if params not in graphs:
-            inputs = (token.clone(), input_pos.clone())
-            side = torch.cuda.Stream(token.device)  # capture wants the warm-up off the main stream
-            side.wait_stream(torch.cuda.current_stream(token.device))
+    def run(*args, **kwargs):
+        args = (*args, *kwargs.values())
+        key = (tuple(kwargs), *((a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
+        if key not in graphs:
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            inputs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+            call = lambda: step(*inputs[:len(inputs) - len(kwargs)],  # noqa: E731
+                                **dict(zip(kwargs, inputs[len(inputs) - len(kwargs):])))
+            side = torch.cuda.Stream(device)  # capture wants the warm-up off the main stream
+            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                step(model, *inputs, params)
-            torch.cuda.current_stream(token.device).wait_stream(side)
+                call()
+            torch.cuda.current_stream(device).wait_stream(side)
+            if not pool:
+                pool.append(torch.cuda.graph_pool_handle())
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step(model, *inputs, params)
-            graphs[params] = graph, inputs, out
-        graph, (static_token, static_pos), out = graphs[params]
-        static_token.copy_(token)
-        static_pos.copy_(input_pos)
+            with torch.cuda.graph(graph, pool=pool[0]):
+                out = call()
+            graphs[key] = graph, inputs, out
+        graph, inputs, out = graphs[key]
+        for mine, given in zip(inputs, args):
+            if isinstance(given, torch.Tensor):
+                mine.copy_(given)
         graph.replay()
         return out
 
     return run
+
+
+# Prompt lengths a graphed prefill pads to (longer prompts run as they are).
+PREFILL_BUCKETS = (16, 32, 64, 128, 256)
+
+
+def prefill_shape(start: int, n: int, max_seq_length: int) -> tuple[int, int] | None:
+    """(padded prompt length, keys attended) of the CUDA graph that prefills n
+    tokens after `start` cached ones; None if no graph holds them. The keys
+    round up to a power of two, so one graph serves many conversation lengths."""
+    bucket = next((b for b in PREFILL_BUCKETS if b >= n), None)
+    if bucket is None or start + bucket > max_seq_length:
+        return None
+    return bucket, min(1 << (start + bucket - 1).bit_length(), max_seq_length)
 
 
 def weight_bytes_per_token(model: Transformer) -> int:
@@ -203,6 +232,13 @@ class Generator:
         if compile_prefill:  # dynamic lengths: a new prompt length does not compile again
             options = compile_options or {}
             self._prefill = precompiled(prefill, options, artifacts_path(model, options, "prefill"), dynamic=True)
+        # On CUDA a prompt of up to PREFILL_BUCKETS[-1] new tokens is padded to
+        # a bucket and its prefill replayed from a CUDA graph: launched kernel
+        # by kernel, a short prefill costs its launches, not its reads
+        # (SmolLM2 on an H200: 12-20 ms to first token, replayed 1.6-2.1).
+        self.graphed_prefill = None
+        if self.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0":
+            self.graphed_prefill = replayed(self._prefill)
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):
@@ -226,6 +262,21 @@ class Generator:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
+    def prefill(self, ids: list[int], start: int, params: SamplingParams) -> torch.Tensor:
+        """The keys and values of ids at positions start.. into the cache -> the
+        next token (1,). Padded to a bucket when a CUDA graph holds it: the
+        padding's keys and values land past the prompt, where each decode step
+        writes its own before any query reads them."""
+        n = len(ids)
+        shape = self.graphed_prefill and prefill_shape(start, n, self.max_seq_length)
+        padded, kv_len = shape if shape else (n, start + n)
+        new = torch.tensor([ids + [0] * (padded - n)], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + padded, device=self.device)
+        last = torch.tensor([n - 1], device=self.device)
+        run = self.graphed_prefill if shape else self._prefill
+        token = run(self.model, new, pos, params, kv_len=kv_len, last=last)
+        return token.clone() if shape else token
+
     @torch.no_grad()
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                stop_ids=(), seed: int | None = None) -> Iterator[int]:
@@ -244,15 +295,13 @@ class Generator:
         stop = set(stop_ids)
         eager = not self.compiled and not self.graphed  # (eager steps slice the cache on the host)
         t0 = time.perf_counter()
-        new = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, len(prompt_ids), device=self.device)
-        token = self._prefill(self.model, new, pos, params, kv_len=len(prompt_ids))
-        self.cached.extend(prompt_ids[start:])
         pos_host = len(prompt_ids)
         # The step's position lives on the device and is advanced there: making
         # it from a host int each step would copy from pageable memory, which
         # waits for the GPU and so starves it for the next step's launch time.
-        step_pos = pos[-1:] + 1
+        step_pos = torch.tensor([pos_host], device=self.device)
+        token = self.prefill(prompt_ids[start:], start, params)
+        self.cached.extend(prompt_ids[start:])
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         for i in range(max_new_tokens):
             host = token.to("cpu", non_blocking=True)

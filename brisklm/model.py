@@ -307,10 +307,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
         self.max_seq_length = max_seq_length
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last_only: bool = False,
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor | None = None,
                 kv_len: int | None = None, block_mask: BlockMask | None = None):
         """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
-        or (B, 1, V) for the last position only when last_only is set (prefill).
+        or (B, 1, V) for one position along T only, the index `last` (shape (1,),
+        a tensor so that a CUDA graph of a padded prompt takes it as an input).
 
         Attention reads only the filled part of the cache. One token on a GPU
         goes through the decode attention kernel (kernels/attention.py), which
@@ -327,8 +328,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)  # (B, T, C)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, input_pos)
-        if last_only:
-            x = x[:, -1:]
+        if last is not None:
+            x = x.index_select(1, last)
         return self.output(x, self.norm).float()
 
 

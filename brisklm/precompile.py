@@ -113,8 +113,11 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
     state = {"step": compiled, "first": True}
 
     def step(*args, **kwargs):
-        if not state["first"]:
+        if not state["first"] and not dynamic:
             return state["step"](*args, **kwargs)
+        if not state["first"]:  # a new length may compile again, which torch 2.11 refuses outside the
+            with torch._dynamo.config.patch(caching_precompile=True):  # setting it was traced under
+                return state["step"](*args, **kwargs)
         state["first"] = False
         guards_log = logging.getLogger("torch._dynamo.guards")  # one warning per global guard it drops
         level = guards_log.level

@@ -15,9 +15,10 @@ kernels read the small integers:
         format of PyTorch's int4 "tinygemm" kernels.
 
 Kernels. One token on a GPU (decode): our Triton GEMVs (kernels/gemv.py) read
-the stored codes as they are, dequantizing in registers. Several tokens on a
-GPU (prefill): the weight is dequantized to the activation dtype inside the
-compiled graph and multiplied densely. CPU: aten._weight_int8pack_mm for one
+the stored codes as they are, dequantizing in registers; so does
+kernels/matmul.py for up to FEW_ROWS tokens (a short prompt), on the tensor
+cores. More tokens on a GPU (a long prompt): the weight is widened to the
+activation dtype and multiplied densely. CPU: aten._weight_int8pack_mm for one
 int8 token, aten._weight_int4pack_mm_for_cpu for int4 (packed at load), and
 dequantize-then-matmul otherwise (fp8 is emulated that way).
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels import gemv
+from .kernels import gemv, matmul
 
 MODES = ("int8", "q8_0", "int4", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -205,6 +206,9 @@ class ScaledWeightOnlyLinear(nn.Module):
             y = y.reshape(*x.shape[:-1], self.out_features)
         elif one_token:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale
+        elif matmul.supported(x):  # a few tokens on a GPU: the codes read once
+            y = matmul.few_rows_matmul(x.reshape(-1, self.in_features), self.weight) * self.scale.float()
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         else:
             y = dequantized_matmul(x, self.weight) * self.scale
         return y if self.bias is None else y + self.bias
@@ -276,6 +280,9 @@ class GroupedInt8Linear(nn.Module):
                 y = self.group_by_group(x.reshape(1, -1))
             else:
                 y = gemv.int8_group_gemv(x.reshape(-1), self.weight, self.scale).sum(0)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif not self.grouped and matmul.supported(x):  # a few tokens on a GPU: the codes read once
+            y = matmul.few_rows_matmul(x.reshape(-1, self.in_features), self.weight, self.scale)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         else:  # several (prefill): aten's int8 matmul costs a GEMV a row, one dense matmul does not
             y = F.linear(x, self.dequantized(x.dtype))
@@ -362,6 +369,9 @@ class Int4WeightOnlyLinear(nn.Module):
             if self.padded != self.in_features:
                 x = F.pad(x, (0, self.padded - self.in_features))
             y = gemv.int4_gemv(x.reshape(-1), self.packed, self.scale, self.zero, norm).sum(0).to(x.dtype)
+        elif self.keep_codes and matmul.supported(x):  # a few tokens on a GPU: the codes read once
+            x = F.pad(x, (0, self.padded - self.in_features)) if self.padded != self.in_features else x
+            y = matmul.few_rows_matmul(x, self.packed, self.scale, self.zero).to(x.dtype)
         elif self.keep_codes:
             y = F.linear(x, self.dense_weight(x.dtype))
         else:

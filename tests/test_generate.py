@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from brisklm.generate import SHORT_REDUCTION_BLOCK, Generator, OnePassReductions, weight_bytes_per_token
+from brisklm.generate import (PREFILL_BUCKETS, SHORT_REDUCTION_BLOCK, Generator, OnePassReductions, prefill_shape,
+                              weight_bytes_per_token)
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams
 
@@ -54,6 +55,33 @@ def test_a_prompt_extending_the_cache_prefills_only_the_new_part():
     fresh = list(gen.tokens(follow, 8, GREEDY))
     assert gen.stats.reused_tokens == 0
     assert reused == fresh
+
+
+def test_prefill_shapes_pad_to_a_bucket_and_round_the_keys_up():
+    assert prefill_shape(0, 5, 8192) == (16, 16)
+    assert prefill_shape(0, 17, 8192) == (32, 32)
+    assert prefill_shape(300, 20, 8192) == (32, 512)  # a chat turn after 300 cached tokens
+    assert prefill_shape(8000, 20, 8192) == (32, 8192)  # keys capped by the cache
+    assert prefill_shape(8170, 20, 8192) is None  # the padding would run past the cache
+    assert prefill_shape(0, PREFILL_BUCKETS[-1] + 1, 8192) is None  # a long prompt runs as it is
+
+
+@pytest.mark.parametrize("args", [TINY, ModelArgs(**{**TINY.to_dict(), "sliding_window": 5})],
+                         ids=["full", "window"])
+def test_a_padded_prefill_generates_what_the_unpadded_one_does(args):
+    """The padding a CUDA graph's prefill uses (Generator.prefill), run here
+    without a graph: same tokens, also for a chat's later turns, whose keys
+    follow cached ones and whose padding overwrote positions decode reuses."""
+    model = tiny_model(args=args)
+    plain, padded = Generator(model, 64), Generator(tiny_model(args=args), 64)
+    padded.graphed_prefill = padded._prefill  # (on CUDA: replayed(self._prefill))
+    prompt = [3, 1, 4, 1, 5]
+    for turn in range(3):
+        a, b = list(plain.tokens(prompt, 7, GREEDY)), list(padded.tokens(prompt, 7, GREEDY))
+        assert a == b, turn
+        start = padded.stats.reused_tokens
+        assert start == plain.stats.reused_tokens and prefill_shape(start, len(prompt) - start, 64)  # (padded)
+        prompt = prompt + a + [7, 2]
 
 
 def test_a_diverging_prompt_reuses_only_the_common_prefix():

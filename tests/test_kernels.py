@@ -65,34 +65,77 @@ print("worst relative error", worst)
 
 MODEL_CHILD = r"""
 import torch
+from brisklm.kernels import matmul
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.quantize import dequantize, quantize_state_dict, quantized_entries
 args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
-state = random_state_dict(args, torch.float32, std=0.1)
-for mode, group in (("int8", None), ("fp8", None), ("int4", 32)):
-    qargs, qstate = quantize_state_dict(args, state, mode, group or 32)
-    dense = {}
-    for name, t in qstate.items():
-        base, _, suffix = name.rpartition("_")
-        if suffix in ("int4", "int8", "fp8"):
-            dense[base] = dequantize(quantized_entries(qstate, base))
-        elif suffix not in ("scale", "zero"):
-            dense[name] = t
-    a, b = build_model(qargs, qstate), build_model(qargs, dense)
-    assert any(getattr(m, "keep_codes", False) or type(m).__name__ == "ScaledWeightOnlyLinear"
-               for m in a.modules())
-    for m in (a, b):
-        m.setup_caches(1, 16)
-    with torch.no_grad():
-        ids = torch.tensor([[1, 5, 9, 3]])
-        for start in (0, 4):  # prefill (dense path), then one decode token (the GEMVs)
-            pos = torch.arange(start, start + ids.shape[1])
-            la, lb = a(ids, pos), b(ids, pos)
-            err = ((la - lb).norm() / lb.norm()).item()
-            assert err < 1e-5, (mode, start, err)
-            ids = lb[:, -1:].argmax(-1)
-    print(mode, "ok")
+calls = []
+few_rows = matmul.few_rows_matmul
+matmul.few_rows_matmul = lambda *a: calls.append(1) or few_rows(*a)
+# fp32: prefill multiplies the widened weights; bf16: a few tokens go through kernels/matmul.py
+for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+    state = random_state_dict(args, dtype, std=0.1)
+    for mode, group in (("int8", None), ("fp8", None), ("int4", 32)):
+        qargs, qstate = quantize_state_dict(args, state, mode, group or 32)
+        dense = {}
+        for name, t in qstate.items():
+            base, _, suffix = name.rpartition("_")
+            if suffix in ("int4", "int8", "fp8"):
+                dense[base] = dequantize(quantized_entries(qstate, base)).to(dtype)
+            elif suffix not in ("scale", "zero"):
+                dense[name] = t
+        a, b = build_model(qargs, qstate), build_model(qargs, dense)
+        assert any(getattr(m, "keep_codes", False) or type(m).__name__ == "ScaledWeightOnlyLinear"
+                   for m in a.modules())
+        for m in (a, b):
+            m.setup_caches(1, 16)
+        calls.clear()
+        with torch.no_grad():
+            ids = torch.tensor([[1, 5, 9, 3]])
+            for start in (0, 4):  # prefill (4 tokens), then one decode token (the GEMVs)
+                pos = torch.arange(start, start + ids.shape[1])
+                la, lb = a(ids, pos).float(), b(ids, pos).float()
+                err = ((la - lb).norm() / lb.norm()).item()
+                assert err < tolerance, (dtype, mode, start, err)
+                ids = lb[:, -1:].argmax(-1)
+        assert bool(calls) == (dtype == torch.bfloat16), (dtype, mode, len(calls))
+        print(mode, "ok")
+"""
+
+
+FEW_ROWS_CHILD = r"""
+import torch
+import torch.nn.functional as F
+from brisklm.kernels.matmul import FEW_ROWS, few_rows_matmul, supported
+from brisklm.quantize import dequantize, quantize_fp8, quantize_int4, quantize_int8
+torch.manual_seed(0)
+assert supported(torch.zeros(2, 8, dtype=torch.bfloat16)) and not supported(torch.zeros(1, 8, dtype=torch.bfloat16))
+assert not supported(torch.zeros(FEW_ROWS + 1, 8, dtype=torch.bfloat16))
+worst = 0.0
+# (N, K, tokens): SmolLM2's wqkv, a ragged N and K (no block divides K), one block of rows and more
+for n, k, m in ((960, 576, 5), (37, 200, 17), (100, 96, FEW_ROWS)):
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(m, k).to(torch.bfloat16)
+    cases = [("int8", quantize_int8(w)), ("fp8", quantize_fp8(w))]
+    cases += [(f"int4-g{g}", quantize_int4(w, g, torch.bfloat16)) for g in (32, 128) if k >= g]
+    if k % 32 == 0:  # GGUF Q8_0: an fp16 scale per 32 inputs
+        q8 = quantize_int8(w, 32)
+        cases.append(("q8_0", {"int8": q8["int8"], "scale": q8["scale"].half()}))
+    for name, parts in cases:
+        ref = x.double() @ dequantize(parts)[:, :k].double().t()
+        if "int4" in parts:
+            xp = F.pad(x, (0, 2 * parts["int4"].shape[1] - k))
+            y = few_rows_matmul(xp, parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16())
+        elif name == "q8_0":
+            y = few_rows_matmul(x, parts["int8"], parts["scale"])
+        else:
+            y = few_rows_matmul(x, parts.get("int8", parts.get("fp8"))) * parts["scale"]
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        worst = max(worst, err)
+        assert err < 1e-6, (n, k, m, name, err)  # (the interpreter multiplies in fp32)
+print("worst relative error", worst)
 """
 
 
@@ -111,9 +154,14 @@ def test_gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes():
 
 
 @pytest.mark.slow
+def test_few_rows_matmul_matches_fp64_for_every_format():
+    assert "worst relative error" in run_interpreted(FEW_ROWS_CHILD)
+
+
+@pytest.mark.slow
 def test_quantized_model_through_the_kernels_matches_its_dequantized_weights():
     out = run_interpreted(MODEL_CHILD)
-    assert out.split() == ["int8", "ok", "fp8", "ok", "int4", "ok"]
+    assert out.split() == ["int8", "ok", "fp8", "ok", "int4", "ok"] * 2
 
 
 ATTENTION_CHILD = r"""

@@ -1,0 +1,137 @@
+"""kernels/matmul.py on a GPU: a few tokens times quantized weights, checked
+against fp64 and timed against the path it replaces (widen the weight to bf16,
+then one dense matmul), at the Llama-3.1-8B shapes.
+
+    PYTHONPATH=. python3 benchmarks/few_rows.py [--tokens 2,5,9,17,35,64]
+
+Each weight is one of several copies used in turn, so that no timed read
+hits in L2. Prints, per format and token count, the microseconds for one
+layer's four matrices and the output layer, and the bytes of codes read per
+second as a fraction of the read ceiling measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from brisklm.bench import read_ceiling_gb_s
+from brisklm.kernels.matmul import few_rows_matmul
+from brisklm.quantize import dequantize, quantize_fp8, quantize_int4, quantize_int8
+
+SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336),
+          "output": (128256, 4096)}
+
+
+def formats(w):
+    q8 = quantize_int8(w, 32)
+    return {"int8": quantize_int8(w), "int4-g128": quantize_int4(w, 128, torch.bfloat16),
+            "q8_0": {"int8": q8["int8"], "scale": q8["scale"].half()}, "fp8": quantize_fp8(w)}
+
+
+def kernel_and_widened(name, parts):
+    """(few-rows call, widen-then-matmul call) for x (M, K) bf16."""
+    if name.startswith("int4"):
+        p, s, z = parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16()
+        g = 2 * p.shape[1] // s.shape[1]
+
+        def widened(x):
+            codes = torch.stack([p >> 4, p & 15], -1).reshape(p.shape[0], -1, g)
+            return F.linear(x, ((codes.to(x.dtype) - 8) * s[..., None] + z[..., None]).flatten(1))
+        return (lambda x: few_rows_matmul(x, p, s, z)), widened
+    if name == "q8_0":
+        q, s = parts["int8"], parts["scale"]
+        return (lambda x: few_rows_matmul(x, q, s)), \
+            (lambda x: F.linear(x, (q.unflatten(1, (s.shape[1], -1)).to(x.dtype) * s[..., None].to(x.dtype)).flatten(1)))
+    q, s = parts.get("int8", parts.get("fp8")), parts["scale"].bfloat16()
+    return (lambda x: few_rows_matmul(x, q) * s), (lambda x: F.linear(x, q.to(x.dtype)) * s)
+
+
+def timed_us(fn, xs, reps=20):
+    for x in xs:
+        fn(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(reps):
+        fn(xs[i % len(xs)])
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+SWEEP = [(64, 128, 4, 3), (32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
+         (64, 128, 8, 4), (16, 256, 4, 4), (128, 256, 8, 3), (64, 64, 4, 4)]
+
+
+def sweep(tokens=(5, 35)):
+    """One layer's matrices and the output layer in int8 and int4 for each of SWEEP's blocks."""
+    from brisklm.kernels import matmul
+    device = torch.device("cuda")
+    print("| format | tokens | " + " | ".join("x".join(map(str, c)) for c in SWEEP) + " |")
+    for fmt in ("int8", "int4-g128"):
+        totals = {(m, c): 0.0 for m in tokens for c in SWEEP}
+        for n, k in SHAPES.values():
+            w = torch.randn(n, k, device=device) * 0.02
+            copies = max(1, int(3e8 // (n * k)))
+            calls = [kernel_and_widened(fmt, formats(w.roll(i, 0))[fmt])[0] for i in range(copies)]
+            for m in tokens:
+                x = torch.randn(m, k, device=device).bfloat16()
+                for c in SWEEP:
+                    matmul.BLOCKS = c
+                    turn = iter(range(10**9))
+                    totals[m, c] += timed_us(lambda x: calls[next(turn) % copies](x), [x])
+            del calls, w
+        for m in tokens:
+            print(f"| {fmt} | {m} | " + " | ".join(f"{totals[m, c]:.0f}" for c in SWEEP) + " |")
+    matmul.BLOCKS = SWEEP[0]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="2,5,9,17,35,64")
+    parser.add_argument("--sweep", action="store_true", help="time other blocks (matmul.BLOCKS) first")
+    opts = parser.parse_args()
+    if opts.sweep:
+        sweep()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    ceiling = read_ceiling_gb_s(device)
+    tokens = [int(t) for t in opts.tokens.split(",")]
+    worst = {}
+    rows = []
+    for fmt in ("int8", "int4-g128", "q8_0", "fp8"):
+        total = {m: [0.0, 0.0] for m in tokens}
+        code_bytes = 0
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, device=device) * 0.02
+            copies = max(1, int(3e8 // (n * k)))  # > 300 MB of codes in turn: none stays in L2
+            parts = [formats(w if i == 0 else w.roll(i, 0))[fmt] for i in range(copies)]
+            code_bytes += sum(t.numel() * t.element_size() for t in parts[0].values())
+            calls = [kernel_and_widened(fmt, p) for p in parts]
+            ref_w = dequantize(parts[0]).double()
+            for m in tokens:
+                x = torch.randn(m, k, device=device).bfloat16()
+                y = calls[0][0](x).double()
+                ref = x.double() @ ref_w.t()
+                err = ((y - ref).norm() / ref.norm()).item()
+                worst[fmt] = max(worst.get(fmt, 0), err)
+                turn = iter(range(10**9))
+                total[m][0] += timed_us(lambda x: calls[next(turn) % copies][0](x), [x])
+                total[m][1] += timed_us(lambda x: calls[next(turn) % copies][1](x), [x])
+            del parts, calls, w
+        for m in tokens:
+            few, wide = total[m]
+            rows.append((fmt, m, few, wide, code_bytes / few / 1e3 / ceiling))
+    print(f"read ceiling {ceiling:.0f} GB/s; worst relative error against fp64: "
+          + ", ".join(f"{f} {e:.1e}" for f, e in worst.items()))
+    print("| format | tokens | few-rows kernel us (a layer + output) | widened + matmul us | speed-up "
+          "| codes read / ceiling |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for fmt, m, few, wide, frac in rows:
+        print(f"| {fmt} | {m} | {few:.0f} | {wide:.0f} | {wide / few:.1f}x | {frac:.2f} |")
+    assert all(e < 1e-2 for e in worst.values()), worst  # bf16 weights in the dot: ~3e-3
+
+
+if __name__ == "__main__":
+    main()
