@@ -6,7 +6,7 @@ Compiles the Triton GEMVs of brisklm/kernels/gemv.py for an H100/H200
 (sm_90) without a GPU (Triton ships ptxas and nvdisasm), finds the main
 loop (the longest backward branch) and counts its instructions by opcode.
 At batch 1 the quantized GEMVs are bound by instructions, not memory (see
-benchmarks/RESULTS.md): bf16 reaches the read ceiling at ~3 instructions a
+benchmarks/JOURNAL.md): bf16 reaches the read ceiling at ~3 instructions a
 weight byte, so int8 and int4 need about that many per byte too. Use this to
 see what a kernel change costs before spending GPU time on it.
 """

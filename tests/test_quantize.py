@@ -150,7 +150,7 @@ def test_quantized_quality_bounds(smollm2_gguf, mode, groupsize, dtype, max_ppl_
     """Perplexity on 1024 tokens of pydoc_data.topics (windows of 256) and mean KL
     against the unquantized model in the same dtype. SmolLM2's weights are already
     Q4_1 (group 32): coarser int4 groups cut across its blocks and lose much more
-    (g64 +32%, g128 +55%; benchmarks/RESULTS.md), so only g32 is bounded here."""
+    (g64 +32%, g128 +55%; benchmarks/RESULTS.md, quality), so only g32 is bounded here."""
     ckpt = load(smollm2_gguf, dtype=dtype)
     ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
     dense = build_model(ckpt.args, ckpt.state_dict)
