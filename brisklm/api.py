@@ -20,6 +20,7 @@ from . import chat as chat_templates
 from .errors import BriskError
 from .generate import Generator
 from .model import Transformer, build_model, kv_bytes_per_position, random_state_dict
+from .modes import LOAD_MODES
 from .precompile import compiled_before, mark_compiled
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -80,14 +81,23 @@ def step(start: str, done: str, quiet: bool = False):
     log(f"{done} in {time.perf_counter() - t0:.1f} s", quiet)
 
 
-QUANTIZE_MODES = ("auto", "none", "int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf")
+def gguf_blocks_to_keep(device) -> str:
+    """Which of a GGUF file's quantized matrices stay quantized on `device`
+    (checkpoints.load's keep_gguf_blocks): the Q4 ones always; the Q8_0 ones
+    where our Triton GEMVs run them; on other devices only a Q8_0 output
+    layer, where aten's int8 matmul, once per group of 32 inputs, beats its
+    dense copy (quantize.GroupedInt8Linear), which it does not at the layers'
+    sizes."""
+    from .kernels import gemv
+    return "all" if gemv.available(torch.device(device)) else "output"
 
 
 def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="model", quiet=True):
     """Apply a quantization mode to a loaded canonical state dict -> (args, state).
 
     "gguf" / "auto" expect the reader to have kept a GGUF file's Q4 blocks
-    (checkpoints.load(keep_gguf_blocks=True)); the others quantize here."""
+    (checkpoints.load(keep_gguf_blocks=gguf_blocks_to_keep(device))); the
+    others quantize here."""
     int4 = sum(k.endswith("_int4") for k in state)
     q8 = sum(k.endswith("_int8") and state[k[:-5] + "_scale"].dim() == 2 for k in state
              if not k.startswith("tok_embeddings"))
@@ -368,8 +378,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     neither on CPUs (default_compile); compile_prefill follows compile."""
     from .checkpoints import load as load_checkpoint
     quantize = quantize or "none"
-    if quantize not in QUANTIZE_MODES:
-        raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(QUANTIZE_MODES)})")
+    if quantize not in LOAD_MODES:
+        raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(LOAD_MODES)})")
     device = usable_device(device or default_device())
     dtype = parse_dtype(dtype) or default_dtype(device)
     compile = default_compile(device) if compile is None else compile
@@ -392,7 +402,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype})...", quiet)
         ckpt = load_checkpoint(path, device=device, dtype=dtype,
                                progress=None if quiet else _progress_bar,
-                               keep_gguf_blocks=quantize in ("gguf", "auto"))
+                               keep_gguf_blocks=quantize in ("gguf", "auto") and gguf_blocks_to_keep(device))
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
     args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
     if quantize == "q8_0" and torch.device(device).type == "cpu" and not compile:

@@ -11,6 +11,7 @@ import os
 import sys
 
 from .errors import BriskError
+from .modes import FILE_MODES, GROUP_SIZES, LOAD_MODES
 
 
 def _model_flags(p: argparse.ArgumentParser):
@@ -30,12 +31,12 @@ def _model_flags(p: argparse.ArgumentParser):
                    help="KV cache length (default: the model's context, capped by free memory)")
     p.add_argument("--allow_long_context", action="store_true",
                    help="allow --max_seq_length past the model's context (output quality degrades there)")
-    p.add_argument("--quantize", choices=["auto", "none", "int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf"],
+    p.add_argument("--quantize", choices=LOAD_MODES,
                    default="auto",
                    help="weight-only quantization at load: int8 (a scale per row), q8_0 (a scale per 32 "
                         "inputs, as GGUF's Q8_0: closer to bf16, fast on GPUs), int4 (RTN); gguf keeps a GGUF "
                         "file's Q4_0/Q4_1 blocks as int4; auto (default) = gguf where possible, else none")
-    p.add_argument("--groupsize", type=int, default=128, help="int4 group size (32, 64, 128, 256)")
+    p.add_argument("--groupsize", type=int, default=128, help=f"int4 group size ({', '.join(map(str, GROUP_SIZES))})")
     p.add_argument("--kv_int8", action="store_true",
                    help="KV cache in int8 with a scale per position and head: half the memory, some speed")
     p.add_argument("--compile_options", type=_json_dict, default=None,
@@ -102,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="write a weight-only quantized native checkpoint")
     q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
-    q.add_argument("--mode", choices=["int8", "q8_0", "int4", "int4-gptq", "fp8", "gguf"], required=True)
-    q.add_argument("--groupsize", type=int, default=128)
+    q.add_argument("--mode", choices=FILE_MODES, required=True)
+    q.add_argument("--groupsize", type=int, default=128, help="int4 group size")
     q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it")
     q.add_argument("--dtype", default="bfloat16", help="dtype of the tensors left dense")
 

@@ -33,8 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels import gemv, matmul
+from .modes import GROUP_SIZES, RTN_MODES
 
-MODES = ("int8", "q8_0", "int4", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -127,10 +127,10 @@ def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128, prog
     stays dense, the output GEMV reads the quantized copy): at batch 1 it is
     one of the largest matrices. progress(done, total) is called per matrix."""
     from dataclasses import replace
-    if mode not in MODES:
-        raise ValueError(f"unknown quantization mode {mode!r} (choose from {', '.join(MODES)})")
-    if mode == "int4" and groupsize not in (32, 64, 128, 256):
-        raise ValueError(f"int4 groupsize must be 32, 64, 128 or 256, got {groupsize}")
+    if mode not in RTN_MODES:
+        raise ValueError(f"unknown quantization mode {mode!r} (choose from {', '.join(RTN_MODES)})")
+    if mode == "int4" and groupsize not in GROUP_SIZES:
+        raise ValueError(f"int4 groupsize must be one of {', '.join(map(str, GROUP_SIZES))}, got {groupsize}")
     state = dict(state)
     if args.tie_word_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -413,7 +413,7 @@ def check_entries(name: str, parts: dict, shape: tuple) -> str | None:
     if "int8" in parts or "fp8" in parts:
         q, scale = parts["int8"] if "int8" in parts else parts["fp8"], parts["scale"]
         per_group = ("int8" in parts and scale.dim() == 2 and scale.shape[0] == n and k % scale.shape[1] == 0
-                     and k // scale.shape[1] in (32, 64, 128, 256))  # GGUF Q8_0, the embedding
+                     and k // scale.shape[1] in GROUP_SIZES)  # GGUF Q8_0, the embedding
         ok = q.shape == (n, k) and (scale.shape == (n,) or per_group)
     else:
         q, s, z = parts["int4"], parts["scale"], parts["zero"]

@@ -303,6 +303,15 @@ def test_custom_ops_fake_implementations_and_schemas():
     assert "ops ok 11" in run_interpreted(OPS_CHILD)
 
 
+def test_a_tuned_table_given_for_a_block_is_used_there_and_restored_after():
+    from brisklm.kernels import gemv
+    before = gemv.config(8, 4096, 4096)
+    with gemv.tuned_table({"8:4096:4096": {"config": (8, 256, 2, 2)}}):
+        assert gemv.config(8, 4096, 4096) == (8, 256, 2, 2)
+        assert gemv.config(8, 1024, 4096) == gemv.DEFAULT_CONFIG[8]  # not in the table: the default
+    assert gemv.config(8, 4096, 4096) == before
+
+
 @pytest.mark.compile
 def test_gemv_blocks_are_a_constant_of_the_traced_graph():
     """The GEMV ops take their block sizes as an argument, looked up while

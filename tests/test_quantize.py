@@ -105,7 +105,7 @@ def test_quantized_model_with_attention_bias_matches_its_dequantized_weights():
 def test_gguf_q4_blocks_are_kept_exactly(smollm2_gguf):
     """The int4 entries stand for exactly the values the gguf library dequantizes."""
     dense = load(smollm2_gguf, dtype=torch.float32)
-    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks=True)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks="output")
     names = [n for n in dense.state_dict if n.endswith(("wqkv.weight", "wo.weight", "w13.weight", "w2.weight"))]
     assert len(names) == 4 * 30
     for name in names:
@@ -121,7 +121,7 @@ def test_gguf_native_logits_equal_the_dequantized_model(smollm2_gguf):
     group, by the output layer."""
     from brisklm.quantize import GroupedInt8Linear, Int8Embedding
     dense = load(smollm2_gguf, dtype=torch.float32)
-    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks=True)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks="output")
     a, b = build_model(dense.args, dense.state_dict), build_model(kept.args, kept.state_dict)
     assert isinstance(b.output, GroupedInt8Linear) and isinstance(b.tok_embeddings, Int8Embedding)
     assert not kept.args.tie_word_embeddings
@@ -164,7 +164,7 @@ def test_quantized_quality_bounds(smollm2_gguf, mode, groupsize, dtype, max_ppl_
 def test_gguf_native_quality_in_bf16(smollm2_gguf):
     """In bf16 the int4 kernel rounds scales and zeros to bf16: measured +0.45%, KL 0.002."""
     ckpt = load(smollm2_gguf, dtype=torch.bfloat16)
-    kept = load(smollm2_gguf, dtype=torch.bfloat16, keep_gguf_blocks=True)
+    kept = load(smollm2_gguf, dtype=torch.bfloat16, keep_gguf_blocks="output")
     ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
     ppl, ppl_ref, kl = perplexity_and_kl(build_model(kept.args, kept.state_dict),
                                          build_model(ckpt.args, ckpt.state_dict), ids, window=256)
@@ -228,7 +228,7 @@ def test_tied_q8_0_codes_count_whole_for_the_output_layer(smollm2_gguf, monkeypa
     from brisklm.generate import weight_bytes_per_token
     from brisklm.kernels import gemv
     monkeypatch.setattr(gemv, "available", lambda device: True)
-    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks=True)
+    kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks="all")
     model = build_model(kept.args, kept.state_dict)
     q = kept.state_dict["output.weight_int8"]
     assert q is kept.state_dict["tok_embeddings.weight_int8"] and model.output.weight is q

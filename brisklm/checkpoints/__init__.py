@@ -30,10 +30,11 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
     """Read a checkpoint, placing each tensor on device in dtype as it is read.
 
     progress, if given, is called as progress(done, total) while tensors load.
-    keep_gguf_blocks keeps a GGUF file's Q4_0/Q4_1 matrices as int4 entries
-    (quantize.py's format) instead of dequantizing them, and its Q8_0 ones as
-    grouped int8 where the device runs our GEMV; "all" keeps every Q8_0 matrix
-    on any device (`brisk quantize --mode gguf` writes them as stored)."""
+    keep_gguf_blocks: "all" keeps a GGUF file's Q4_0/Q4_1 matrices as int4
+    entries (quantize.py's format) and its Q8_0 ones as grouped int8, instead
+    of dequantizing them; "output" keeps the Q4 blocks and of the Q8_0 ones
+    only the output layer's. Which to ask for on which device is the loading
+    policy's (api.gguf_blocks_to_keep), not the reader's."""
     if path is None:
         from .hub import default_model_path
         path = default_model_path()

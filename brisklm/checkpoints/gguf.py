@@ -159,12 +159,10 @@ def load_tokenizer(meta: dict, path: str) -> Tokenizer:
 
 
 def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Checkpoint:
-    """keep_blocks: Q4_0/Q4_1 matrices become int4 entries, and Q8_0 ones grouped
-    int8 entries where our Triton GEMV can run them. On CPUs only a Q8_0 output
-    layer is kept (also when it is the tied embedding): aten's int8 matmul, once
-    per group of 32 inputs, beat its dense bf16 copy there, but not at the
-    layers' sizes (quantize.GroupedInt8Linear); the other Q8_0 matrices are dequantized.
-    keep_blocks="all" keeps every Q8_0 matrix on any device (to write them as stored)."""
+    """keep_blocks: False dequantizes every matrix; "all" keeps Q4_0/Q4_1
+    matrices as int4 entries and Q8_0 ones as grouped int8 entries; "output"
+    keeps the Q4 ones and, of the Q8_0 ones, only the output layer (also when
+    it is the tied embedding)."""
     from gguf.quants import dequantize
     reader = open_reader(path)
     meta = metadata(reader)
@@ -207,12 +205,11 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Che
 
     kept = {}
     if keep_blocks:
-        from ..kernels import gemv
+        if keep_blocks not in ("all", "output"):
+            raise ValueError(f"keep_blocks must be False, 'all' or 'output', got {keep_blocks!r}")
         qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
                     if ARCHITECTURES[arch]["permuted_qk"] else {})
-        kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device,
-                                     keep_q8="all" if keep_blocks == "all" or gemv.available(torch.device(device))
-                                     else "output")
+        kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=keep_blocks)
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
                                    progress, skip=kept)
     for name, parts in kept.items():

@@ -44,6 +44,7 @@ on CPU tensors, which is how the tests check the math without a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -91,6 +92,19 @@ def tuned() -> dict:
                 table = json.load(f).get(torch.cuda.get_device_name(), {})
         _tuned = table
     return _tuned
+
+
+@contextlib.contextmanager
+def tuned_table(table: dict):
+    """Use `table` ("bits:N:K" -> {"config": (BLOCK_N, BLOCK_K, SPLIT_K,
+    num_warps)}) instead of the measured one inside this block: for sweeps
+    of block sizes, and ({}) to send every bf16 matrix through cuBLAS."""
+    global _tuned
+    saved, _tuned = _tuned, dict(table)
+    try:
+        yield
+    finally:
+        _tuned = saved
 
 
 @torch.compiler.assume_constant_result  # traced as its result: the graph records the blocks it launches

@@ -1,0 +1,46 @@
+"""The GPU checks (benchmarks/*_check.py and the kernels' correctness
+passes), as tests marked `gpu`: skipped without CUDA, run on the device with
+
+    python -m pytest -m gpu tests/test_gpu.py
+
+Each runs its script in a child process (its own CUDA context and compiler
+state) and fails when the script reports a check outside its bound."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(name: str, *args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc.stdout
+
+
+def test_compiled_and_graphed_steps_give_the_eager_tokens(smollm2_gguf):
+    assert "| check | result |" in run_script("gpu_check.py", "--gguf", smollm2_gguf)
+
+
+def test_quantized_decode_logits_on_the_gpu_match_the_dequantized_weights():
+    assert "all within bound" in run_script("gpu_quant_check.py", "--layers", "4")
+
+
+def test_decode_attention_kernel_matches_fp64():
+    assert "worst relative error" in run_script("attention_check.py")
+
+
+def test_gemvs_match_fp64_at_every_preset_shape():
+    assert "correctness" in run_script("gemv_sweep.py", "--kinds", "")
+
+
+def test_few_rows_matmul_matches_fp64_at_the_8b_shapes():
+    assert "worst relative error" in run_script("few_rows.py", "--tokens", "2,17,64")
