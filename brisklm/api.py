@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from typing import Iterator
@@ -19,8 +20,8 @@ import torch
 from . import chat as chat_templates
 from .errors import BriskError
 from .generate import Generator
-from .model import Transformer, build_model, kv_bytes_per_position, random_state_dict
-from .modes import LOAD_MODES
+from .model import Transformer, build_model, canonical_names, kv_bytes_per_position, random_state_dict
+from .modes import LOAD_MODES, RTN_MODES
 from .precompile import compiled_before, mark_compiled
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -59,7 +60,7 @@ def parse_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def _progress_bar(done: int, total: int):
+def progress_bar(done: int, total: int):
     """A one-line counter on a terminal; silent when stderr is a file."""
     if sys.stderr.isatty():
         end = "\n" if done == total else ""
@@ -74,7 +75,7 @@ def log(message: str, quiet: bool = False):
 @contextlib.contextmanager
 def step(start: str, done: str, quiet: bool = False):
     """A long step as two plain lines, `start...` and `done in N s`, that logs
-    and pipes show too (the counter of _progress_bar shows on terminals only)."""
+    and pipes show too (the counter of progress_bar shows on terminals only)."""
     t0 = time.perf_counter()
     log(f"{start}...", quiet)
     yield
@@ -92,6 +93,18 @@ def gguf_blocks_to_keep(device) -> str:
     return "all" if gemv.available(torch.device(device)) else "output"
 
 
+@contextlib.contextmanager
+def out_of_memory(name: str, device, doing: str):
+    """An out-of-memory error inside this block as a one-line BriskError with the numbers."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        free = free_memory_bytes(torch.device(device))
+        first = str(e).splitlines()[0][:200]
+        raise BriskError(f"{name}: out of memory on {device} while {doing}"
+                         + (f" ({free / 1e9:.1f} GB free now)" if free is not None else "") + f": {first}") from None
+
+
 def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="model", quiet=True):
     """Apply a quantization mode to a loaded canonical state dict -> (args, state).
 
@@ -107,7 +120,7 @@ def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="mod
     if int4 + q8 and mode in ("gguf", "auto"):
         log(f"Kept {int4} int4 and {q8} grouped int8 (Q8_0) matrices as stored "
             f"(--quantize none to dequantize them)", quiet)
-    progress = None if quiet else _progress_bar
+    progress = None if quiet else progress_bar
     try:
         if mode == "int4-gptq":
             from .gptq import calibration_ids, gptq_quantize_state_dict
@@ -148,6 +161,56 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 KV_MEMORY_SHARE = 0.5  # of the memory free after loading, at most, for a default-sized KV cache
+PLAN_SHARE = 0.95  # of the free memory, at most, for weights and a requested KV cache (the rest: activations)
+
+
+def weight_bytes(args, dtype, quantize: str = "none", groupsize: int = 128) -> int:
+    """Bytes the weights take once loaded with `quantize` (an RTN mode, or
+    dense): each tensor made on the meta device, shapes only, and passed
+    through the quantizer the loading uses."""
+    from .quantize import quantizer
+    quantize = "int4" if quantize == "int4-gptq" else quantize  # (the same format, made otherwise)
+    transform = quantizer(quantize, groupsize) if quantize in RTN_MODES else None
+    total = 0
+    for name, shape in canonical_names(args).items():
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        entries = transform(args, name, t) if transform else {name: t}
+        total += sum(e.numel() * e.element_size() for e in entries.values())
+    return total
+
+
+def plan_memory(args, device: torch.device, dtype, quantize: str, groupsize: int, kv_int8=False,
+                max_seq_length=None, weights: int | None = None, name="model", quiet=True):
+    """Before loading: say what the weights (and a requested KV cache) take
+    against the memory free on `device`, and refuse in one line, with what
+    would fit, when they do not. `weights` overrides the computed bytes (a
+    GGUF file's kept blocks: its size)."""
+    free = free_memory_bytes(device)
+    given = weights is not None
+    weights = weight_bytes(args, dtype, quantize, groupsize) if weights is None else weights
+    per_position = kv_bytes_per_position(args, dtype, kv_int8)
+    cache = per_position * max_seq_length if max_seq_length else 0
+    gb = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"  # noqa: E731
+    what = {"none": f"{str(dtype).replace('torch.', '')} weights", "auto": "weights",
+            "gguf": "weights"}.get(quantize, f"{quantize} weights") + (" (as the file stores them)" if given else "")
+    if free is None:
+        return
+    log(f"Memory plan on {device}: {gb(weights)} of {what}"
+        + (f" + {gb(cache)} of KV cache ({max_seq_length} tokens)" if cache else "")
+        + f", {gb(free)} free", quiet)
+    budget = free * PLAN_SHARE
+    if weights > budget:
+        smaller = [(m, weight_bytes(args, dtype, m, 128)) for m in ("int8", "int4")]
+        fits = [f"--quantize {m}{' --groupsize 128' if m == 'int4' else ''} ({gb(b)})"
+                for m, b in smaller if b <= budget and b < weights]
+        raise BriskError(f"{name}: {gb(weights)} of {what} do not fit the {gb(free)} free on {device}"
+                         + (f"; {' or '.join(fits)} would" if fits else "; not even as int4 (a smaller model, "
+                            "or a device with more memory)"))
+    if weights + cache > budget:
+        tokens = min(int((budget - weights) // per_position) // 256 * 256, supported_context(args))
+        raise BriskError(f"{name}: a KV cache of {max_seq_length} tokens ({gb(cache)}) and {gb(weights)} of {what} "
+                         f"do not fit the {gb(free)} free on {device}; --max_seq_length {tokens} would"
+                         + ("" if kv_int8 else ", or --kv_int8 (half the cache)"))
 
 
 def cache_length(args, device: torch.device, dtype, kv_int8=False, requested=None,
@@ -389,22 +452,41 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         unknown = sorted(set(compile_options) - set(list_options()))
         if unknown:
             raise BriskError(f"unknown compile option {unknown[0]!r} (torch._inductor.list_options() names them)")
+    transform = None
+    if quantize in RTN_MODES:  # quantized tensor by tensor as it loads: the dense model never exists whole
+        from .quantize import quantizer, untied
+        try:
+            transform = quantizer(quantize, groupsize)
+        except ValueError as e:
+            raise BriskError(str(e)) from None
     t0 = time.perf_counter()
+    as_loaded = f", quantizing to {quantize} tensor by tensor" if transform else ""
     if preset is not None:
         from .presets import preset as get_preset
         try:
             args = get_preset(preset)
         except KeyError as e:
             raise BriskError(str(e.args[0])) from None
-        log(f"Building preset {preset} with random weights on {device} ({dtype})...", quiet)
-        state, tokenizer, name = random_state_dict(args, dtype, device), None, preset
+        plan_memory(args, torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length, name=preset,
+                    quiet=quiet)
+        log(f"Building preset {preset} with random weights on {device} ({dtype}){as_loaded}...", quiet)
+        with out_of_memory(preset, device, "building the weights"):
+            state, tokenizer, name = random_state_dict(args, dtype, device, transform=transform), None, preset
     else:
-        log(f"Loading {path or 'the bundled default model'} on {device} ({dtype})...", quiet)
-        ckpt = load_checkpoint(path, device=device, dtype=dtype,
-                               progress=None if quiet else _progress_bar,
-                               keep_gguf_blocks=quantize in ("gguf", "auto") and gguf_blocks_to_keep(device))
+        from .checkpoints import read_args, resolve
+        kind, where = resolve(path)
+        keep = quantize in ("gguf", "auto") and kind == "gguf"
+        plan_memory(read_args(where), torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
+                    weights=os.path.getsize(where) if keep else None, name=where, quiet=quiet)
+        log(f"Loading {path or 'the bundled default model'} on {device} ({dtype}){as_loaded}...", quiet)
+        with out_of_memory(where, device, "loading the weights"):
+            ckpt = load_checkpoint(where, device=device, dtype=dtype, progress=None if quiet else progress_bar,
+                                   keep_gguf_blocks=keep and gguf_blocks_to_keep(device), transform=transform)
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
-    args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
+    if transform:
+        args = untied(args, state)
+    else:
+        args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
     if quantize == "q8_0" and torch.device(device).type == "cpu" and not compile:
         log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", quiet)
     model = build_model(args, state)

@@ -11,7 +11,7 @@ import os
 import sys
 
 from .errors import BriskError
-from .modes import FILE_MODES, GROUP_SIZES, LOAD_MODES
+from .modes import FILE_MODES, GROUP_SIZES, LOAD_MODES, RTN_MODES
 
 
 def _model_flags(p: argparse.ArgumentParser):
@@ -310,14 +310,25 @@ def _size(path: str) -> int:
 
 
 def cmd_quantize(args):
-    from .api import log, parse_dtype, quantize_loaded, step
+    from .api import progress_bar, log, parse_dtype, quantize_loaded, step
     from .checkpoints import load
     from .checkpoints.native import save_native
-    with step(f"Reading {args.checkpoint_path or 'the bundled default model'}", "Read"):
-        ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype),
-                    keep_gguf_blocks="all" if args.mode == "gguf" else False)
-    model_args, state = quantize_loaded(ckpt.args, ckpt.state_dict, ckpt.tokenizer, args.mode,
-                                        args.groupsize, ckpt.path, quiet=False)
+    from .quantize import quantizer, untied
+    transform = None
+    if args.mode in RTN_MODES:  # tensor by tensor as it is read: a model larger than memory in bf16 fits
+        try:
+            transform = quantizer(args.mode, args.groupsize)
+        except ValueError as e:
+            raise BriskError(str(e)) from None
+    doing = f", quantizing to {args.mode} tensor by tensor" if transform else ""
+    with step(f"Reading {args.checkpoint_path or 'the bundled default model'}{doing}", "Read"):
+        ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype), progress=progress_bar,
+                    keep_gguf_blocks="all" if args.mode == "gguf" else False, transform=transform)
+    if transform:
+        model_args, state = untied(ckpt.args, ckpt.state_dict), ckpt.state_dict
+    else:
+        model_args, state = quantize_loaded(ckpt.args, ckpt.state_dict, ckpt.tokenizer, args.mode,
+                                            args.groupsize, ckpt.path, quiet=False)
     output = args.output or os.path.splitext(ckpt.path.rstrip("/"))[0] + f"-{args.mode}"
     scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
               (args.groupsize if args.mode.startswith("int4") else None)}
@@ -379,6 +390,12 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # (torch is imported lazily: matched by name)
+        if type(e).__name__ != "OutOfMemoryError":
+            raise
+        print(f"error: out of memory during `brisk {args.command}`: {str(e).splitlines()[0][:200]} "
+              f"(a smaller --max_seq_length, --kv_int8 or --quantize int8/int4 needs less)", file=sys.stderr)
+        return 2
     return 0
 
 

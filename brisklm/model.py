@@ -439,17 +439,20 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transfo
     return model.eval().requires_grad_(False)
 
 
-def random_state_dict(args: ModelArgs, dtype=torch.bfloat16, device="cpu", seed=0, std=0.02):
+def random_state_dict(args: ModelArgs, dtype=torch.bfloat16, device="cpu", seed=0, std=0.02, transform=None):
     """Random weights in the model's real shapes: normal(0, std) matrices, norms at 1.
 
     For benchmarks where no checkpoint is at hand (never zeros: a GEMV over
-    zeros can run faster than one over real data)."""
+    zeros can run faster than one over real data). transform(args, name,
+    tensor) -> entries replaces each tensor as it is made (as
+    checkpoints.load's does: quantized one tensor at a time)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in canonical_names(args).items():
         if name.endswith("norm.weight"):
-            state[name] = torch.ones(shape, dtype=dtype, device=device)
+            t = torch.ones(shape, dtype=dtype, device=device)
         else:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            state[name] = t.normal_(0.0, std, generator=gen)
+            t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
+        state.update(transform(args, name, t) if transform else {name: t})
+        del t
     return state

@@ -38,14 +38,16 @@ from .modes import GROUP_SIZES, RTN_MODES
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
+LINEARS = ("attention.wqkv.weight", "attention.wo.weight", "feed_forward.w13.weight", "feed_forward.w2.weight")
+
+
 def quantized_linear_names(args) -> list[str]:
     """The Linear weights quantization applies to (the embedding stays dense)."""
-    names = []
-    for i in range(args.num_hidden_layers):
-        p = f"layers.{i}."
-        names += [p + "attention.wqkv.weight", p + "attention.wo.weight",
-                  p + "feed_forward.w13.weight", p + "feed_forward.w2.weight"]
-    return names + ["output.weight"]
+    return [f"layers.{i}.{local}" for i in range(args.num_hidden_layers) for local in LINEARS] + ["output.weight"]
+
+
+def is_quantized_linear(name: str) -> bool:
+    return name == "output.weight" or (name.startswith("layers.") and name.split(".", 2)[2] in LINEARS)
 
 
 # --- the formats ----------------------------------------------------------------
@@ -120,30 +122,71 @@ def dequantize(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     return w.reshape(n, k)
 
 
-def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128, progress=None):
-    """Replace the Linear weights of a canonical state dict by quantized entries.
-
-    Returns (args, state). A tied output layer is untied first (the embedding
-    stays dense, the output GEMV reads the quantized copy): at batch 1 it is
-    one of the largest matrices. progress(done, total) is called per matrix."""
-    from dataclasses import replace
+def check_mode(mode: str, groupsize: int):
     if mode not in RTN_MODES:
         raise ValueError(f"unknown quantization mode {mode!r} (choose from {', '.join(RTN_MODES)})")
     if mode == "int4" and groupsize not in GROUP_SIZES:
         raise ValueError(f"int4 groupsize must be one of {', '.join(map(str, GROUP_SIZES))}, got {groupsize}")
-    state = dict(state)
-    if args.tie_word_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-        args = replace(args, tie_word_embeddings=False)
-    names = quantized_linear_names(args)
-    for done, name in enumerate(names, 1):
-        if name in state:  # (else already quantized, e.g. a GGUF file's int4 blocks)
-            w = state.pop(name)
-            # scales and zeros are kept in fp32
-            state.update({f"{name}_{s}": t.to(w.device) for s, t in quantize_weight(name, w, mode, groupsize).items()})
-        if progress:
-            progress(done, len(names))
-    return args, quantize_embedding(state)
+
+
+def quantizer(mode: str, groupsize: int = 128):
+    """transform(args, name, tensor) -> entries: one canonical tensor in `mode`.
+
+    Readers apply it to each tensor as they read it (checkpoints.load's
+    transform), so a model is never whole in its dense form: peak memory is
+    the quantized model plus one tensor. A Linear weight becomes its
+    quantized entries, the embedding its int8 rows; other tensors pass as
+    they are, and so do entries already quantized (a GGUF file's int4
+    blocks). A tied embedding also gives the output layer a quantized copy of
+    its own: at batch 1 it is one of the largest matrices (`untied` then
+    fixes the args)."""
+    check_mode(mode, groupsize)
+
+    def transform(args, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        if name == "tok_embeddings.weight" and args.tie_word_embeddings:
+            out.update(quantized_weight_entries("output.weight", w, mode, groupsize))
+        if is_quantized_linear(name):
+            out.update(quantized_weight_entries(name, w, mode, groupsize))
+        elif name == "tok_embeddings.weight":
+            out.update(quantize_embedding({name: w}))
+        else:
+            out[name] = w
+        return out
+
+    return transform
+
+
+def untied(args, state: dict):
+    """args for `state`: untied where the output layer has entries of its own."""
+    if args.tie_word_embeddings and quantized_entries(state, "output.weight"):
+        from dataclasses import replace
+        return replace(args, tie_word_embeddings=False)
+    return args
+
+
+def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128, progress=None):
+    """Replace the Linear weights of a canonical state dict by quantized
+    entries (`quantizer` applied to each tensor). Returns (args, state).
+    progress(done, total) is called per matrix."""
+    transform = quantizer(mode, groupsize)
+    total = sum(is_quantized_linear(n) for n in state) + ("tok_embeddings.weight" in state
+                                                            and args.tie_word_embeddings)
+    out, done = {}, 0
+    for name in list(state):
+        entries = transform(args, name, state[name])
+        out.update(entries)
+        made = sum(e != name and e.endswith(("_int8", "_fp8", "_int4")) and is_quantized_linear(e.rsplit("_", 1)[0])
+                   for e in entries)
+        if made and progress:
+            done += made
+            progress(done, total)
+    return untied(args, out), out
+
+
+def quantized_weight_entries(name: str, w: torch.Tensor, mode: str, groupsize: int) -> dict[str, torch.Tensor]:
+    """`name`'s quantized parts as state-dict entries, on w's device (scales and zeros in fp32)."""
+    return {f"{name}_{s}": t.to(w.device) for s, t in quantize_weight(name, w, mode, groupsize).items()}
 
 
 def quantize_weight(name: str, w: torch.Tensor, mode: str, groupsize: int) -> dict[str, torch.Tensor]:

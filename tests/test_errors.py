@@ -433,7 +433,8 @@ def test_a_cache_past_the_model_context_is_refused_unless_allowed(hf_folder):
 def test_a_default_cache_is_capped_by_free_memory(hf_folder, monkeypatch, capsys):
     from brisklm import api
     per_position = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # bf16 keys and values
-    monkeypatch.setattr(api, "free_memory_bytes", lambda device: 2 * 256 * per_position)
+    before = iter([10**12])  # the memory plan, before loading: room for the weights
+    monkeypatch.setattr(api, "free_memory_bytes", lambda device: next(before, 2 * 256 * per_position))
     llm = brisklm.load(hf_folder, device="cpu", quiet=False)
     assert llm.generator.max_seq_length == 256
     assert "capped at 256 tokens" in capsys.readouterr().err
@@ -468,8 +469,9 @@ def test_non_positive_max_seq_length_is_a_brisk_error(hf_folder, length):
 def test_max_seq_length_too_large_for_memory_is_a_brisk_error(hf_folder):
     with pytest.raises(BriskError) as e:
         brisklm.load(hf_folder, device="cpu", max_seq_length=10**10,
-                     allow_long_context=True)  # a KV cache of terabytes
-    brisk_error(e, "max_seq_length", "does not fit in memory")
+                     allow_long_context=True)  # a KV cache of terabytes, refused before loading
+    message = brisk_error(e, "a KV cache of 10000000000 tokens", "do not fit", "free on cpu", "--kv_int8")
+    assert f"--max_seq_length {CONTEXT} would" in message  # what fits, up to the model's context
 
 
 def test_unknown_device_is_a_brisk_error(hf_folder):

@@ -26,8 +26,12 @@ class Checkpoint:
 
 
 def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=None,
-         keep_gguf_blocks: bool | str = False) -> Checkpoint:
+         keep_gguf_blocks: bool | str = False, transform=None) -> Checkpoint:
     """Read a checkpoint, placing each tensor on device in dtype as it is read.
+
+    transform(args, name, tensor) -> entries, if given, replaces each dense
+    canonical tensor as it is read (quantize.quantizer: quantized while
+    loading, so the dense model never exists whole).
 
     progress, if given, is called as progress(done, total) while tensors load.
     keep_gguf_blocks: "all" keeps a GGUF file's Q4_0/Q4_1 matrices as int4
@@ -35,6 +39,20 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
     of dequantizing them; "output" keeps the Q4 blocks and of the Q8_0 ones
     only the output layer's. Which to ask for on which device is the loading
     policy's (api.gguf_blocks_to_keep), not the reader's."""
+    kind, path = resolve(path)
+    if kind == "native":
+        from .native import load_native
+        return load_native(path, device, dtype, progress, transform)
+    if kind == "hf":
+        from .hf import load_hf_folder
+        return load_hf_folder(path, device, dtype, progress, transform)
+    from .gguf import load_gguf
+    return load_gguf(path, device, dtype, progress, keep_gguf_blocks, transform)
+
+
+def resolve(path: str | None) -> tuple[str, str]:
+    """(format, path) of a checkpoint: "native", "hf" (folders) or "gguf" (a
+    file, or a folder holding one); None is the bundled default model."""
     if path is None:
         from .hub import default_model_path
         path = default_model_path()
@@ -43,24 +61,35 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
         raise BriskError(f"{path}: no such file or folder")
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "brisk.json")):
-            from .native import load_native
-            return load_native(path, device, dtype, progress)
+            return "native", path
         if os.path.exists(os.path.join(path, "config.json")):
-            from .hf import load_hf_folder
-            return load_hf_folder(path, device, dtype, progress)
+            return "hf", path
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if len(ggufs) == 1:
-            path = os.path.join(path, ggufs[0])
-        else:
+        if len(ggufs) != 1:
             raise BriskError(f"{path}: not a checkpoint folder (no config.json, brisk.json "
                              f"or single .gguf file)")
+        path = os.path.join(path, ggufs[0])
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic == b"GGUF":
-        from .gguf import load_gguf
-        return load_gguf(path, device, dtype, progress, keep_gguf_blocks)
-    raise BriskError(f"{path}: unrecognised checkpoint format (expected a GGUF file or a "
-                     f"Hugging Face / brisk-lm folder)")
+    if magic != b"GGUF":
+        raise BriskError(f"{path}: unrecognised checkpoint format (expected a GGUF file or a "
+                         f"Hugging Face / brisk-lm folder)")
+    return "gguf", path
+
+
+def read_args(path: str | None) -> ModelArgs:
+    """The model's shapes from a checkpoint's metadata alone (no tensor read):
+    what a memory plan needs before loading."""
+    kind, path = resolve(path)
+    if kind == "hf":
+        from .hf import read_config
+        return read_config(path)
+    if kind == "native":
+        from .native import read_metadata
+        return ModelArgs(**read_metadata(path)["model_args"])
+    from .gguf import metadata, open_reader, read_args as gguf_args
+    reader = open_reader(path)
+    return gguf_args(metadata(reader), path, {t.name: t for t in reader.tensors})
 
 
 # Our canonical per-layer names -> Hugging Face's. q/k/v and
@@ -92,12 +121,13 @@ def tracked(items, progress):
 
 
 def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
-                           file_name=lambda name: name, progress=None, skip=()):
+                           file_name=lambda name: name, progress=None, skip=(), transform=None):
     """Canonical state dict from a getter of Hugging Face-named tensors.
 
-    Tensors are converted one at a time, so peak memory is the result plus one
-    layer's worth, never a second full copy. file_name maps a Hugging Face name
-    to the name the file uses, for error messages."""
+    Tensors are converted one at a time, and each goes through transform (see
+    load) before the next is read, so peak memory is the result plus one
+    tensor, never a second full copy. file_name maps a Hugging Face name to
+    the name the file uses, for error messages."""
 
     def fetch(name, shape=None):
         if not has(name):
@@ -115,27 +145,25 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
     part_rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
                  "mlp.gate_proj": a.intermediate_size, "mlp.up_proj": a.intermediate_size}
     state = {}
+    put = (lambda name, t: state.update(transform(args, name, t))) if transform else state.__setitem__
     for name, shape in tracked(shapes.items(), progress):
         if name in skip:  # provided otherwise (e.g. kept quantized)
             continue
         if name == "tok_embeddings.weight":
-            state[name] = fetch("model.embed_tokens.weight", shape)
+            put(name, fetch("model.embed_tokens.weight", shape))
         elif name == "norm.weight":
-            state[name] = fetch("model.norm.weight", shape)
+            put(name, fetch("model.norm.weight", shape))
         elif name == "output.weight":
-            state[name] = fetch("lm_head.weight", shape)
+            put(name, fetch("lm_head.weight", shape))
         else:
             _, i, local = name.split(".", 2)
             prefix = f"model.layers.{i}."
             if local in HF_LAYER:
-                state[name] = fetch(prefix + HF_LAYER[local], shape)
+                put(name, fetch(prefix + HF_LAYER[local], shape))
             else:
-                parts = []
-                for part in HF_FUSED[local]:
-                    rows = part_rows[part.rsplit(".", 1)[0]]
-                    parts.append(fetch(prefix + part, (rows,) + tuple(shape[1:])))
-                state[name] = torch.cat(parts)
-                del parts
+                rows = [part_rows[part.rsplit(".", 1)[0]] for part in HF_FUSED[local]]
+                put(name, torch.cat([fetch(prefix + part, (n,) + tuple(shape[1:]))
+                                     for part, n in zip(HF_FUSED[local], rows)]))
     return state
 
 

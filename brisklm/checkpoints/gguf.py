@@ -158,7 +158,7 @@ def load_tokenizer(meta: dict, path: str) -> Tokenizer:
                      meta.get("tokenizer.chat_template"))
 
 
-def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Checkpoint:
+def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transform=None) -> Checkpoint:
     """keep_blocks: False dequantizes every matrix; "all" keeps Q4_0/Q4_1
     matrices as int4 entries and Q8_0 ones as grouped int8 entries; "output"
     keeps the Q4 ones and, of the Q8_0 ones, only the output layer (also when
@@ -211,7 +211,7 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False) -> Che
                     if ARCHITECTURES[arch]["permuted_qk"] else {})
         kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=keep_blocks)
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
-                                   progress, skip=kept)
+                                   progress, skip=kept, transform=transform)
     for name, parts in kept.items():
         state.update({f"{name}_{suffix}": t for suffix, t in parts.items()})
     if args.tie_word_embeddings and "output.weight" in kept:  # the embedding reads the same codes

@@ -96,9 +96,9 @@ class _TensorFiles:
                              f"{name!r} ({e})") from None
 
 
-def load_hf_folder(folder: str, device, dtype, progress=None) -> Checkpoint:
+def load_hf_folder(folder: str, device, dtype, progress=None, transform=None) -> Checkpoint:
     args = read_config(folder)
     files = _TensorFiles(folder)
     state = assemble_from_hf_names(args, files.get, files.has, device, dtype, folder,
-                                   progress=progress)
+                                   progress=progress, transform=transform)
     return Checkpoint(args, state, load_hf_tokenizer(folder), folder)

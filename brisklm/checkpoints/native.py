@@ -58,17 +58,24 @@ def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Token
         raise BriskError(f"{folder}: cannot write the checkpoint ({e.strerror or e})") from None
 
 
-def load_native(folder: str, device, dtype, progress=None) -> Checkpoint:
-    from safetensors import SafetensorError, safe_open
+def read_metadata(folder: str) -> dict:
+    """brisk.json, checked: its format version and model_args."""
     meta_path = os.path.join(folder, "brisk.json")
     try:
         with open(meta_path, encoding="utf-8") as f:
             info = json.load(f)
-        args = ModelArgs(**info["model_args"])
+        ModelArgs(**info["model_args"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BriskError(f"{meta_path}: invalid brisk-lm checkpoint metadata ({e})") from None
     if info.get("version") != FORMAT_VERSION:
         raise BriskError(f"{meta_path}: unsupported format version {info.get('version')!r}")
+    return info
+
+
+def load_native(folder: str, device, dtype, progress=None, transform=None) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+    info = read_metadata(folder)
+    args = ModelArgs(**info["model_args"])
     weights = os.path.join(folder, "model.safetensors")
     state, aliases, read = {}, info.get("aliases") or {}, {}
     try:
@@ -93,7 +100,7 @@ def load_native(folder: str, device, dtype, progress=None) -> Checkpoint:
                 if tuple(t.shape) != shape:
                     raise BriskError(f"{weights}: tensor {name!r} has shape {tuple(t.shape)}, "
                                      f"expected {shape}")
-                state[name] = t.to(dtype)
+                state.update(transform(args, name, t.to(dtype)) if transform else {name: t.to(dtype)})
     except (SafetensorError, OSError) as e:
         raise BriskError(f"{weights}: corrupt or truncated weights file ({e})") from None
     tok = Tokenizer.from_saved(folder, info["tokenizer"]) if info.get("tokenizer") else None
