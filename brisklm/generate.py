@@ -32,18 +32,16 @@ class OnePassReductions:
 
     A reduction over up to 8192 values is compiled "persistent" (one pass, the
     values held in registers) instead of looped (two passes over memory,
-    inductor's choice above 1024 values). Each decode layer ends two
-    reductions of 4096 values, residual + RMSNorm, run by one program each:
-    int8 decode on an H200 went from 393 to 401 tokens/s.
+    inductor's choice above 1024 values): each decode layer ends two
+    reductions of 4096 values (residual + RMSNorm), one program each.
 
     Many short reductions (under 256 values each, e.g. gemv.pack_x's groups)
     get a fixed block of reductions a program (SHORT_REDUCTION_BLOCK) instead
-    of the fastest of up to three configurations timed at the first run: for
-    these kernels of 1.5-5 us inductor's pick varied between compiles, and so
-    did the int4 step. With 8 a program, int4 g128 decoded 571-573 tokens/s
-    on an H200, against 559-568 for inductor's picks and 563 and 495 for 1
-    and 32 a program.
-    (A class, not a function: its repr keys the on-disk cache.)"""
+    of the fastest of up to three configurations timed at the first run,
+    whose pick for these few-microsecond kernels varied between compiles, and
+    the int4 step's speed with it (benchmarks/JOURNAL.md, fifth and
+    thirteenth sessions). (A class, not a function: its repr keys the on-disk
+    cache.)"""
 
     def __new__(cls):
         from torch._inductor.choices import InductorChoices
@@ -103,8 +101,8 @@ def replayed(step):
     """`step` captured in a CUDA graph, one per setting (the shapes of its
     tensor arguments and the values of the others: sampling parameters, key
     lengths), and replayed. Uncompiled, a decode step is ~1,300 small
-    launches whose Python costs far more than their kernels (SmolLM2 on an
-    H200: 37 against 2.5 ms a token); replayed, it is one launch. The tensor
+    launches whose Python costs far more than their kernels; replayed, it is
+    one launch. The tensor
     arguments are copied into the graph's own; the output is the graph's, so
     the caller clones it. The run before capture (which Triton's first
     compile needs) writes the keys and values where the replay writes them
@@ -217,7 +215,7 @@ class Generator:
             # Inductor options apply to this function only (no global flags). On
             # CUDA the step becomes one CUDA graph, and inductor's kernels launch
             # while their predecessor finishes (programmatic dependent launch,
-            # Hopper and later: +2.5% bf16, +3.6% int8 decode on an H200).
+            # Hopper and later).
             cuda = self.device.type == "cuda"
             for module in model.modules():  # on CPUs: Q8_0 codes in the layout the compiled step reads fastest
                 if isinstance(module, GroupedInt8Linear):
@@ -234,8 +232,7 @@ class Generator:
             self._prefill = precompiled(prefill, options, artifacts_path(model, options, "prefill"), dynamic=True)
         # On CUDA a prompt of up to PREFILL_BUCKETS[-1] new tokens is padded to
         # a bucket and its prefill replayed from a CUDA graph: launched kernel
-        # by kernel, a short prefill costs its launches, not its reads
-        # (SmolLM2 on an H200: 12-20 ms to first token, replayed 1.6-2.1).
+        # by kernel, a short prefill costs its launches, not its reads.
         self.graphed_prefill = None
         if self.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0":
             self.graphed_prefill = replayed(self._prefill)

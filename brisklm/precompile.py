@@ -66,8 +66,8 @@ def forget_traced(fn):
     that entry by the function's name and first line only and loads it at
     every compile, so a step traced under another GEMV table (the blocks are
     constants of the graph, not guarded) or other options could come back
-    (after a retune on an H200, int4 decoded at 489 tokens/s until the caches
-    were emptied: 554). Our saved file (artifacts_path) is keyed by all of
+    (after a retune, a stale int4 step ran 12% slower until the caches were
+    emptied). Our saved file (artifacts_path) is keyed by all of
     these and, when loaded, writes the entry anew."""
     try:
         from torch._dynamo.package import CompilePackage, DynamoCache
@@ -102,7 +102,7 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
         # A loaded entry is rebuilt inside torch.compile() from the global
         # inductor config, not from `options` (torch reads
         # config.triton.cudagraphs there): without this patch it ran with no
-        # CUDA graph, at 38 instead of 245 tokens/s on an H200.
+        # CUDA graph, several times slower.
         with torch._dynamo.config.patch(caching_precompile=True), torch._inductor.config.patch(options):
             if loaded:
                 with open(path, "rb") as f:

@@ -261,8 +261,7 @@ class ScaledWeightOnlyLinear(nn.Module):
 def dequantized_matmul(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """x @ codes^T, the codes widened to x's dtype first, in an op the compiler
     cannot see into: compiled prefill fused the widening into a matmul of its
-    own that read every weight once per token (int8 Llama-3.1-8B on an H200:
-    3.1 s to first token for 200 tokens, against 33 ms uncompiled)."""
+    own that read every weight once per token."""
     return F.linear(x, codes.to(x.dtype))
 
 
@@ -286,13 +285,10 @@ class GroupedInt8Linear(nn.Module):
     so that aten's int8 matmul, whose scales are per output row, runs once per
     group for one token. A compiled decode step takes them as (K/G, G, N)
     instead (`rows_last`, which the Generator calls): one expression, which
-    inductor compiles into one loop with the rows along the vector lanes. On 2
-    CPU cores, at SmolLM2's 49152x576 output layer alone: 1.3-1.7 ms against
-    2.8 ms group by group and 2.3 ms as one expression over (K/G, N, G) (whose
-    sums of 32 inputs run across the lanes); in the compiled step 2.1 against
-    3.4-3.8 ms, and the bundled GGUF decodes 15-20% faster. Several
-    tokens multiply the dequantized matrix: 0.2 s against 4 s for 256 tokens
-    at that output layer."""
+    inductor compiles into one loop with the rows along the vector lanes
+    (over (K/G, N, G) the sums of 32 inputs ran across the lanes, slower).
+    Several tokens multiply the dequantized matrix, far faster than once per
+    group. (Figures: benchmarks/JOURNAL.md, CPU sections of 2026-11-30.)"""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias=None, dtype=torch.float32):
         super().__init__()
@@ -342,8 +338,7 @@ class GroupedInt8Linear(nn.Module):
         as one expression that inductor compiles into a loop reading each code
         once. The norm's weight goes into x and its 1/rms onto the sums, and x
         enters as a buffer (as_buffer): inlined, the residual adds and the norm
-        before it ran again for every 32 rows (3.4 against 2.1 ms a token at
-        SmolLM2's output layer, 2 cores)."""
+        before it ran again for every 32 rows."""
         n_groups, g, n = self.groups.shape
         v = x.reshape(-1) if norm is None else x.reshape(-1).float() * norm.weight.float()
         if torch.compiler.is_compiling():
@@ -351,7 +346,7 @@ class GroupedInt8Linear(nn.Module):
             partial = (self.groups * as_buffer(v).float().view(n_groups, g, 1)).sum(1)  # (K/G, N)
             y = (partial * self.group_scales.float()).sum(0)
         else:  # eager (a compiled model's prefill, for its last position): slices of 1024 rows, whose
-            # temporaries stay in cache (6 against 56 ms for the whole expression at that output layer)
+            # temporaries stay in cache (the whole expression at once was ~10x slower)
             vg = v.float().view(n_groups, 1, g)
             y = torch.cat([(torch.bmm(vg, self.groups[:, :, i:i + 1024].float()).squeeze(1)
                             * self.group_scales[:, i:i + 1024].float()).sum(0) for i in range(0, n, 1024)])
