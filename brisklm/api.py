@@ -241,13 +241,36 @@ def cache_length(args, device: torch.device, dtype, kv_int8=False, requested=Non
     return context
 
 
+SPECULATE = ("ngram", "self")
+
+
+def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_layers: int | None):
+    """The drafter for speculate ("ngram": prompt lookup; "self": the model's
+    first draft_layers layers, by default a quarter of them), or None."""
+    from .speculative import ModelDrafter, NgramDrafter
+    if speculate is None:
+        return None
+    if speculate not in SPECULATE:
+        raise BriskError(f"unknown speculate {speculate!r} (choose from {', '.join(SPECULATE)})")
+    if not 1 <= draft_tokens <= 16:
+        raise BriskError(f"draft_tokens must be 1..16, got {draft_tokens}")
+    layers = model.args.num_hidden_layers
+    if speculate == "ngram":
+        return NgramDrafter()
+    depth = max(1, layers // 4) if draft_layers is None else draft_layers
+    if not 1 <= depth < layers:
+        raise BriskError(f"draft_layers must be 1..{layers - 1} (the model has {layers}), got {depth}")
+    return ModelDrafter(model, depth=depth)
+
+
 class LLM:
     """A loaded model with its tokenizer and generator."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, *, max_seq_length=None,
                  compile=False, compile_prefill=False, compile_options=None, name="model", kv_int8=False,
-                 allow_long_context=False, quiet=True):
+                 allow_long_context=False, quiet=True, speculate=None, draft_tokens=4, draft_layers=None):
         self.model = model
+        self.drafter, self.draft_tokens = drafter(model, speculate, draft_tokens, draft_layers), draft_tokens
         self.tokenizer = tokenizer
         self.name = name
         self.context = supported_context(model.args)
@@ -283,7 +306,8 @@ class LLM:
         except ValueError as e:
             raise BriskError(str(e)) from None
         self.check(prompt_ids, max_new_tokens)
-        return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed)
+        return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed, self.drafter,
+                                     self.draft_tokens)
 
     def check(self, prompt_ids: list[int], max_new_tokens: int):
         """A BriskError for a request this model cannot serve; one too long
@@ -418,7 +442,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
          compile: bool | None = None, compile_prefill: bool | None = None, max_seq_length: int | None = None,
          preset: str | None = None, quiet: bool = True, compile_options: dict | None = None,
          quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False,
-         allow_long_context: bool = False) -> LLM:
+         allow_long_context: bool = False, speculate: str | None = None, draft_tokens: int = 4,
+         draft_layers: int | None = None) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -438,13 +463,21 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     half its memory, for long contexts, at some speed.
 
     compile / compile_prefill: None (the default) compiles both on CUDA and
-    neither on CPUs (default_compile); compile_prefill follows compile."""
+    neither on CPUs (default_compile); compile_prefill follows compile.
+
+    speculate: "ngram" (prompt lookup: drafts copied from earlier in the
+    prompt and output) or "self" (the model's first draft_layers layers draft
+    for it); each target forward then checks up to draft_tokens drafts, and
+    the output is what plain decoding gives (greedy: token for token). Its
+    steps run uncompiled for now, so it pays on CPUs, not yet on GPUs."""
     from .checkpoints import load as load_checkpoint
     quantize = quantize or "none"
     if quantize not in LOAD_MODES:
         raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(LOAD_MODES)})")
     device = usable_device(device or default_device())
     dtype = parse_dtype(dtype) or default_dtype(device)
+    if speculate is not None:
+        compile = False  # (the speculative steps are not compiled yet: the compiled decode step would go unused)
     compile = default_compile(device) if compile is None else compile
     compile_prefill = compile and default_compile(device) if compile_prefill is None else compile_prefill
     if compile_options:  # checked before loading, not at the first compile
@@ -493,4 +526,5 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
                compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8,
-               allow_long_context=allow_long_context, quiet=quiet)
+               allow_long_context=allow_long_context, quiet=quiet, speculate=speculate,
+               draft_tokens=draft_tokens, draft_layers=draft_layers)

@@ -43,6 +43,15 @@ def _model_flags(p: argparse.ArgumentParser):
                    help='inductor options as JSON, e.g. \'{"coordinate_descent_tuning": true}\'')
 
 
+def _speculate_flags(p: argparse.ArgumentParser):
+    p.add_argument("--speculate", choices=["ngram", "self"], default=None,
+                   help="speculative decoding: ngram (prompt lookup) or self (the model's first layers draft); "
+                        "the same output, fewer target steps where drafts are accepted (uncompiled for now)")
+    p.add_argument("--draft_tokens", type=_positive_int, default=4, help="drafts checked per target step")
+    p.add_argument("--draft_layers", type=_positive_int, default=None,
+                   help="--speculate self: layers of the draft (default: a quarter of the model's)")
+
+
 def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
     p.add_argument("--max_new_tokens", type=_positive_int, default=max_new_tokens)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -68,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="continue a prompt")
     _model_flags(g)
+    _speculate_flags(g)
     _sampling_flags(g)
     g.add_argument("--prompt", default="Hello, my name is")
     g.add_argument("--num_samples", type=_positive_int, default=1)
@@ -77,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     _model_flags(c)
+    _speculate_flags(c)
     _sampling_flags(c, max_new_tokens=512)
     c.add_argument("--system", default=None, help="system message")
 
@@ -153,7 +164,8 @@ def _load(args, quiet=False):
                 compile_prefill=args.compile_prefill, max_seq_length=args.max_seq_length,
                 preset=args.preset, quiet=quiet, compile_options=args.compile_options,
                 quantize=args.quantize, groupsize=args.groupsize, kv_int8=args.kv_int8,
-                allow_long_context=args.allow_long_context)
+                allow_long_context=args.allow_long_context, speculate=getattr(args, "speculate", None),
+                draft_tokens=getattr(args, "draft_tokens", 4), draft_layers=getattr(args, "draft_layers", None))
 
 
 def _sampling(args) -> dict:
@@ -218,7 +230,9 @@ def cmd_generate(args):
         rates.append(s.decode_tokens_per_s)
         log(f"Sample {i + 1}: {s.new_tokens} tokens, time to first token {s.prefill_s * 1e3:.1f} ms "
             f"({s.prompt_tokens} prompt tokens), decode {s.decode_tokens_per_s:.2f} tokens/s, "
-            f"bandwidth achieved {s.bandwidth_gb_s:.2f} GB/s", args.quiet)
+            f"bandwidth achieved {s.bandwidth_gb_s:.2f} GB/s"
+            + (f", {s.tokens_per_step:.2f} tokens a target step (--speculate {args.speculate})"
+               if s.target_steps else ""), args.quiet)
         if profiling:
             prof.export_chrome_trace(args.profile)
             log(f"Profile written to {args.profile}", args.quiet)
@@ -321,7 +335,8 @@ def cmd_quantize(args):
         except ValueError as e:
             raise BriskError(str(e)) from None
     doing = f", quantizing to {args.mode} tensor by tensor" if transform else ""
-    with step(f"Reading {args.checkpoint_path or 'the bundled default model'}{doing}", "Read"):
+    with step(f"Reading {args.checkpoint_path or 'the bundled default model'}{doing}",
+              "Read and quantized" if transform else "Read"):
         ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype), progress=progress_bar,
                     keep_gguf_blocks="all" if args.mode == "gguf" else False, transform=transform)
     if transform:

@@ -176,6 +176,12 @@ class GenerationStats:
     decode_s: float = 0.0
     reused_tokens: int = 0  # prompt tokens whose KV came from the cache
     weight_bytes: int = 0
+    target_steps: int = 0  # speculative decoding: verify forwards after the first token
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Speculative decoding's acceptance: tokens emitted per verify forward."""
+        return (self.new_tokens - 1) / self.target_steps if self.target_steps else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -259,6 +265,36 @@ class Generator:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
+    def _speculated(self, prompt_ids, first: int, max_new_tokens, params, stop, drafter, k, t0):
+        """The decode loop of speculative decoding (speculative.py), after the first token."""
+        from .speculative import accept
+        stats = self.stats
+        history = [*prompt_ids, first]
+        stats.prefill_s, stats.new_tokens = time.perf_counter() - t0, 1
+        t_decode = time.perf_counter()
+        drafter.kept(len(prompt_ids))
+        yield first
+        if first in stop:
+            return
+        while stats.new_tokens < max_new_tokens:
+            here = len(history) - 1  # the position of the newest token, not yet in the cache
+            room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted
+            drafts, q = drafter.propose(history, min(k, room), params) if room and k else ([], None)
+            ids = torch.tensor([[history[-1], *drafts]], device=self.device)
+            pos = torch.arange(here, here + ids.shape[1], device=self.device)
+            logits = self.model(ids, pos, kv_len=here + ids.shape[1])[0]  # (1 + drafts, V)
+            emitted = accept(logits, drafts, q, params)
+            stats.target_steps += 1
+            drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
+            for value in emitted:
+                history.append(value)
+                self.cached = history[:-1]
+                stats.new_tokens += 1
+                stats.decode_s = time.perf_counter() - t_decode
+                yield value
+                if value in stop:
+                    return
+
     def prefill(self, ids: list[int], start: int, params: SamplingParams) -> torch.Tensor:
         """The keys and values of ids at positions start.. into the cache -> the
         next token (1,). Padded to a bucket when a CUDA graph holds it: the
@@ -276,8 +312,10 @@ class Generator:
 
     @torch.no_grad()
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-               stop_ids=(), seed: int | None = None) -> Iterator[int]:
-        """Yield up to max_new_tokens sampled ids; stops after yielding a stop id."""
+               stop_ids=(), seed: int | None = None, drafter=None, draft_tokens: int = 4) -> Iterator[int]:
+        """Yield up to max_new_tokens sampled ids; stops after yielding a stop id.
+        With a drafter (speculative.py), each target forward checks up to
+        draft_tokens proposed ones."""
         self.check(prompt_ids, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
@@ -299,6 +337,10 @@ class Generator:
         step_pos = torch.tensor([pos_host], device=self.device)
         token = self.prefill(prompt_ids[start:], start, params)
         self.cached.extend(prompt_ids[start:])
+        if drafter is not None:
+            yield from self._speculated(prompt_ids, int(token), max_new_tokens, params, stop, drafter,
+                                        draft_tokens, t0)
+            return
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         for i in range(max_new_tokens):
             host = token.to("cpu", non_blocking=True)

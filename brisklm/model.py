@@ -308,7 +308,7 @@ class Transformer(nn.Module):
         self.max_seq_length = max_seq_length
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor | None = None,
-                kv_len: int | None = None, block_mask: BlockMask | None = None):
+                kv_len: int | None = None, block_mask: BlockMask | None = None, depth: int | None = None):
         """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
         or (B, 1, V) for one position along T only, the index `last` (shape (1,),
         a tensor so that a CUDA graph of a padded prompt takes it as an input).
@@ -318,7 +318,10 @@ class Transformer(nn.Module):
         reads the length on the device. Otherwise eager callers pass kv_len
         (known on the host) and compiled decode steps a one-row block_mask
         (see decode_block_mask), whose flex-attention kernel skips the empty
-        blocks; with neither, attention covers the whole cache, masked."""
+        blocks; with neither, attention covers the whole cache, masked.
+
+        depth runs the first `depth` layers only, then the final norm and the
+        output layer: the target's own shallow draft (speculative.py)."""
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         if block_mask is not None:
             mask = block_mask
@@ -326,7 +329,7 @@ class Transformer(nn.Module):
             keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
             mask = visible(input_pos[:, None], keys[None, :], self.args.sliding_window)  # (T, S)
         x = self.tok_embeddings(idx)  # (B, T, C)
-        for layer in self.layers:
+        for layer in self.layers if depth is None else self.layers[:depth]:
             x = layer(x, cos, sin, mask, input_pos)
         if last is not None:
             x = x.index_select(1, last)

@@ -7,7 +7,7 @@ import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "brisklm")
 
-CORE = {"model", "generate", "sampling", "quantize", "gptq", "precompile", "modes", "errors"}
+CORE = {"model", "generate", "sampling", "speculative", "quantize", "gptq", "precompile", "modes", "errors"}
 FRONT = {"api", "cli", "bench", "chat", "evaluate", "tokenizer", "presets", "__init__", "__main__"}
 
 

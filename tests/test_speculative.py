@@ -1,0 +1,164 @@
+"""Speculative decoding (speculative.py): greedy output token for token the
+plain output, for every drafter and draft length; sampled output distributed
+as plain sampling's."""
+import math
+
+import pytest
+import torch
+
+from brisklm.generate import Generator
+from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.sampling import SamplingParams, logits_to_probs
+from brisklm.speculative import ModelDrafter, NgramDrafter
+
+TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+GREEDY = SamplingParams()
+# Repetitive prompts give prompt lookup something to find; the model, fed its own output, repeats too.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 4, 5, 9, 9, 1, 2, 3], [3]]
+
+
+def tiny_model(seed=0, args=TINY):
+    return build_model(args, random_state_dict(args, torch.float32, seed=seed, std=0.3))
+
+
+def drafters(target, kind):
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "self":
+        return ModelDrafter(target, depth=1)
+    draft = tiny_model(seed=7)  # a different model sharing the vocabulary
+    draft.setup_caches(1, 128)
+    return ModelDrafter(draft)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self", "model"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_speculative_output_is_the_plain_greedy_output(kind, k):
+    target = tiny_model()
+    plain, spec = Generator(target, 128), Generator(tiny_model(), 128)
+    drafter = drafters(spec.model, kind)
+    steps = 0
+    for prompt in PROMPTS:
+        want = list(plain.tokens(prompt, 40, GREEDY))
+        got = list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=k))
+        assert got == want, (kind, k, prompt)
+        steps += spec.stats.target_steps
+        assert spec.stats.new_tokens == 40 and spec.stats.target_steps <= 39
+    if kind != "model":  # drafts that the target accepts: fewer target forwards than tokens
+        assert steps < 3 * 39, steps
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_output_there():
+    target = tiny_model()
+    free = list(Generator(target, 128).tokens(PROMPTS[0], 40, GREEDY))
+    stop = free[20]
+    spec = Generator(target, 128)
+    got = list(spec.tokens(PROMPTS[0], 40, GREEDY, stop_ids=[stop], drafter=NgramDrafter(), draft_tokens=8))
+    assert got == free[:free.index(stop) + 1]
+    follow = PROMPTS[0] + got + [1, 2]  # the next turn reuses what the cache holds, no more
+    want = list(Generator(target, 128).tokens(follow, 10, GREEDY))
+    assert list(spec.tokens(follow, 10, GREEDY, drafter=NgramDrafter())) == want
+    assert spec.stats.reused_tokens == len(follow) - 3
+
+
+def test_speculation_with_an_int8_kv_cache_equals_plain_decoding_with_it():
+    plain = Generator(tiny_model(), 128, kv_int8=True)
+    spec = Generator(tiny_model(), 128, kv_int8=True)
+    for kind in ("ngram", "self"):
+        want = list(plain.tokens(PROMPTS[0], 30, GREEDY))
+        assert list(spec.tokens(PROMPTS[0], 30, GREEDY, drafter=drafters(spec.model, kind))) == want
+
+
+def test_prompt_lookup_proposes_the_latest_continuation_of_the_longest_suffix():
+    propose = NgramDrafter().propose
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3, GREEDY) == ([7, 5, 2], None)  # "2 3" last seen before 7
+    assert propose([4, 1, 2, 3, 4], 2, GREEDY) == ([1, 2], None)  # only "4" recurs
+    assert propose([1, 2, 3], 4, GREEDY) == ([], None)
+
+
+def wilson_hilferty(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile for p = 0.001 (z = 3.09), by the Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ngram", "model"])
+def test_sampled_speculative_tokens_follow_the_target_distribution(kind):
+    """The 2nd and 3rd sampled tokens (after the prefill's) of a 12-token
+    vocabulary, jointly (144 cells), drawn 6000 times with speculation,
+    against their exact distribution from the target's own probabilities:
+    chi-square at p = 0.001 over the cells expected 5 or more times. Power: a
+    shift of 0.02 of probability between two cells of 0.05 is a noncentrality
+    of 6000 x 0.016 = 96; with ~140 degrees of freedom the statistic's mean
+    moves from 140 to 236 (sd 26) against a bound near 198, so such a bias
+    fails about 93% of the time. Prompt lookup
+    (one-hot proposals, accepted only where the target agrees) and a draft
+    model (q proper, the residual rule) both."""
+    args = ModelArgs(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    target = tiny_model(seed=3, args=args)
+    params = SamplingParams(temperature=1.0)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    with torch.no_grad():  # the exact joint distribution of tokens 2 and 3, given token 1
+        target.setup_caches(1, 64)
+        first = logits_to_probs(target(torch.tensor([prompt]), torch.arange(8))[0, -1], params)
+        joint = torch.zeros(12, 12)
+        for t1 in range(12):
+            for t2 in range(12):
+                ids = torch.tensor([prompt + [t1, t2]])
+                logits = target(ids, torch.arange(10))[0]
+                p2, p3 = (logits_to_probs(logits[i], params) for i in (8, 9))
+                joint[t2] += first[t1] * p2[t2] * p3
+    gen = Generator(target, 64)
+    if kind == "ngram":
+        drafter = NgramDrafter()
+    else:
+        draft = tiny_model(seed=9, args=args)
+        draft.setup_caches(1, 64)
+        drafter = ModelDrafter(draft)
+    n = 6000
+    counts = torch.zeros(12, 12)
+    torch.manual_seed(0)
+    for _ in range(n):
+        gen.reset()
+        _, t2, t3 = gen.tokens(prompt, 3, params, drafter=drafter, draft_tokens=2)
+        counts[t2, t3] += 1
+    expected = joint * n
+    cells = expected >= 5
+    chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
+    df = int(cells.sum()) - 1
+    assert chi2 < wilson_hilferty(df), (chi2, df, wilson_hilferty(df))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,k", [("ngram", 4), ("self", 2)])
+def test_the_real_model_in_fp32_gives_its_plain_greedy_text(smol_llm, kind, k):
+    """The bundled SmolLM2 (fp32, dense: the exact path) on a prompt that
+    invites copying. In bf16 the two can part after a few dozen tokens: a
+    forward over several positions rounds differently from one over one."""
+    tok = smol_llm.require_tokenizer()
+    ids = tok.encode("Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
+                     "Here it is again: apple, banana,")
+    gen = smol_llm.generator
+    gen.reset()
+    want = list(gen.tokens(ids, 40, GREEDY, stop_ids=tok.eos_ids))
+    gen.reset()
+    drafter = NgramDrafter() if kind == "ngram" else ModelDrafter(gen.model, depth=8)
+    got = list(gen.tokens(ids, 40, GREEDY, stop_ids=tok.eos_ids, drafter=drafter, draft_tokens=k))
+    assert got == want
+    assert kind != "ngram" or gen.stats.tokens_per_step > 1.5  # the list is copied from the prompt
+
+
+def test_bad_speculation_settings_are_one_line_errors():
+    from brisklm.api import drafter
+    from brisklm.errors import BriskError
+    model = tiny_model()
+    assert drafter(model, None, 4, None) is None
+    assert isinstance(drafter(model, "self", 4, None), ModelDrafter)
+    for bad, words in (((model, "eagle", 4, None), "unknown speculate 'eagle'"),
+                       ((model, "self", 4, 3), "draft_layers must be 1..2 (the model has 3), got 3"),
+                       ((model, "ngram", 0, None), "draft_tokens must be 1..16, got 0")):
+        with pytest.raises(BriskError) as e:
+            drafter(*bad)
+        assert words in str(e.value) and "\n" not in str(e.value)
