@@ -323,6 +323,10 @@ class GroupedInt8Linear(nn.Module):
         elif not self.grouped and matmul.supported(x):  # a few tokens on a GPU: the codes read once
             y = matmul.few_rows_matmul(x.reshape(-1, self.in_features), self.weight, self.scale)
             y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        elif self.grouped and not self.is_rows_last and x.numel() <= 32 * self.in_features:
+            # a few tokens on a CPU (a speculative verify step): group by group still beats
+            # widening the whole matrix, up to about 64 rows
+            y = self.group_by_group(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], -1)
         else:  # several (prefill): aten's int8 matmul costs a GEMV a row, one dense matmul does not
             y = F.linear(x, self.dequantized(x.dtype))
         return y if self.bias is None else y + self.bias
