@@ -241,7 +241,7 @@ def cache_length(args, device: torch.device, dtype, kv_int8=False, requested=Non
     return context
 
 
-SPECULATE = ("ngram", "self")
+SPECULATE = ("ngram", "self", "draft")
 
 
 def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_layers: int | None):
@@ -257,6 +257,8 @@ def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_
     layers = model.args.num_hidden_layers
     if speculate == "ngram":
         return NgramDrafter()
+    if speculate == "draft":  # (load() makes the draft model and sets the drafter)
+        return None
     depth = max(1, layers // 4) if draft_layers is None else draft_layers
     if not 1 <= depth < layers:
         raise BriskError(f"draft_layers must be 1..{layers - 1} (the model has {layers}), got {depth}")
@@ -443,7 +445,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
          preset: str | None = None, quiet: bool = True, compile_options: dict | None = None,
          quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False,
          allow_long_context: bool = False, speculate: str | None = None, draft_tokens: int = 4,
-         draft_layers: int | None = None) -> LLM:
+         draft_layers: int | None = None, draft_checkpoint_path: str | None = None,
+         draft_quantize: str | None = None) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -467,7 +470,9 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
 
     speculate: "ngram" (prompt lookup: drafts copied from earlier in the
     prompt and output) or "self" (the model's first draft_layers layers draft
-    for it); each target forward then checks up to draft_tokens drafts, and
+    for it) or "draft" (a second model that shares the tokenizer:
+    draft_checkpoint_path, by default this one, loaded with draft_quantize, e.g.
+    the model itself in int4); each target forward then checks up to draft_tokens drafts, and
     the output is what plain decoding gives (greedy: token for token). Its
     steps run uncompiled for now, so it pays on CPUs, not yet on GPUs."""
     from .checkpoints import load as load_checkpoint
@@ -524,7 +529,21 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", quiet)
     model = build_model(args, state)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
-    return LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
-               compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8,
-               allow_long_context=allow_long_context, quiet=quiet, speculate=speculate,
-               draft_tokens=draft_tokens, draft_layers=draft_layers)
+    llm = LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
+              compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8,
+              allow_long_context=allow_long_context, quiet=quiet, speculate=speculate,
+              draft_tokens=draft_tokens, draft_layers=draft_layers)
+    if speculate == "draft":
+        llm.draft = load(draft_checkpoint_path or path, device=device, dtype=dtype, compile=False,
+                         max_seq_length=llm.generator.max_seq_length, allow_long_context=True,
+                         preset=None if draft_checkpoint_path or path else preset, quiet=quiet,
+                         quantize=draft_quantize or quantize, groupsize=groupsize, kv_int8=kv_int8)
+        theirs, ours = llm.draft.model.args.vocab_size, model.args.vocab_size
+        if theirs != ours:
+            raise BriskError(f"{llm.draft.name}: the draft model's vocabulary ({theirs} tokens) is not the "
+                             f"target's ({ours}); a draft must share the target's tokenizer")
+        from .speculative import ModelDrafter
+        llm.drafter = ModelDrafter(llm.draft.model)
+    elif draft_checkpoint_path or draft_quantize:
+        raise BriskError("draft_checkpoint_path and draft_quantize need speculate='draft'")
+    return llm

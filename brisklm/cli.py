@@ -44,9 +44,14 @@ def _model_flags(p: argparse.ArgumentParser):
 
 
 def _speculate_flags(p: argparse.ArgumentParser):
-    p.add_argument("--speculate", choices=["ngram", "self"], default=None,
-                   help="speculative decoding: ngram (prompt lookup) or self (the model's first layers draft); "
-                        "the same output, fewer target steps where drafts are accepted (uncompiled for now)")
+    p.add_argument("--speculate", choices=["ngram", "self", "draft"], default=None,
+                   help="speculative decoding: ngram (prompt lookup), self (the model's first layers draft) or "
+                        "draft (--draft_checkpoint_path, or this model with --draft_quantize); the same output, "
+                        "fewer target steps where drafts are accepted (uncompiled for now)")
+    p.add_argument("--draft_checkpoint_path", default=None,
+                   help="--speculate draft: the draft model (sharing the tokenizer; default: this one)")
+    p.add_argument("--draft_quantize", choices=LOAD_MODES, default=None,
+                   help="--speculate draft: the draft's quantization, e.g. int4 (default: --quantize's)")
     p.add_argument("--draft_tokens", type=_positive_int, default=4, help="drafts checked per target step")
     p.add_argument("--draft_layers", type=_positive_int, default=None,
                    help="--speculate self: layers of the draft (default: a quarter of the model's)")
@@ -165,7 +170,9 @@ def _load(args, quiet=False):
                 preset=args.preset, quiet=quiet, compile_options=args.compile_options,
                 quantize=args.quantize, groupsize=args.groupsize, kv_int8=args.kv_int8,
                 allow_long_context=args.allow_long_context, speculate=getattr(args, "speculate", None),
-                draft_tokens=getattr(args, "draft_tokens", 4), draft_layers=getattr(args, "draft_layers", None))
+                draft_tokens=getattr(args, "draft_tokens", 4), draft_layers=getattr(args, "draft_layers", None),
+                draft_checkpoint_path=getattr(args, "draft_checkpoint_path", None),
+                draft_quantize=getattr(args, "draft_quantize", None))
 
 
 def _sampling(args) -> dict:

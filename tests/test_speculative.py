@@ -162,3 +162,35 @@ def test_bad_speculation_settings_are_one_line_errors():
         with pytest.raises(BriskError) as e:
             drafter(*bad)
         assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_at_load(tmp_path):
+    import brisklm
+    from brisklm.checkpoints.native import save_native
+    from brisklm.errors import BriskError
+    paths = []
+    for vocab in (61, 64):
+        args = ModelArgs(**{**TINY.to_dict(), "vocab_size": vocab})
+        save_native(str(tmp_path / str(vocab)), args, random_state_dict(args, torch.float32), None)
+        paths.append(str(tmp_path / str(vocab)))
+    llm = brisklm.load(paths[0], device="cpu", speculate="draft", draft_checkpoint_path=paths[0])
+    assert isinstance(llm.drafter, ModelDrafter) and llm.drafter.model is llm.draft.model
+    with pytest.raises(BriskError) as e:
+        brisklm.load(paths[0], device="cpu", speculate="draft", draft_checkpoint_path=paths[1])
+    assert "vocabulary (64 tokens) is not the target's (61)" in str(e.value)
+    with pytest.raises(BriskError):
+        brisklm.load(paths[0], device="cpu", draft_quantize="int8")  # without speculate="draft"
+
+
+@pytest.mark.slow
+def test_the_model_itself_in_int8_drafts_for_it_and_changes_nothing(smollm2_gguf):
+    """The gpt-fast recipe: the target's own weights, quantized, as its draft.
+    fp32 dense target: greedy output equal to plain decoding's."""
+    import brisklm
+    llm = brisklm.load(smollm2_gguf, device="cpu", dtype="float32", quantize="none", max_seq_length=512,
+                       speculate="draft", draft_quantize="int8", draft_tokens=4)
+    prompt = "The three primary colors are"
+    spec = llm.generate(prompt, max_new_tokens=40, temperature=0)
+    assert llm.stats.tokens_per_step > 2  # int8 agrees with the dense model most of the time
+    llm.drafter = None
+    assert llm.generate(prompt, max_new_tokens=40, temperature=0) == spec
