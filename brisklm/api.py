@@ -171,12 +171,15 @@ def weight_bytes(args, dtype, quantize: str = "none", groupsize: int = 128) -> i
     from .quantize import quantizer
     quantize = "int4" if quantize == "int4-gptq" else quantize  # (the same format, made otherwise)
     transform = quantizer(quantize, groupsize) if quantize in RTN_MODES else None
-    total = 0
+    sizes = {}  # every layer's tensors are alike: each kind is sized once
     for name, shape in canonical_names(args).items():
-        t = torch.empty(shape, dtype=dtype, device="meta")
-        entries = transform(args, name, t) if transform else {name: t}
-        total += sum(e.numel() * e.element_size() for e in entries.values())
-    return total
+        kind = "layers.0." + name.split(".", 2)[2] if name.startswith("layers.") else name
+        if kind not in sizes:
+            t = torch.empty(shape, dtype=dtype, device="meta")
+            entries = transform(args, kind, t) if transform else {kind: t}
+            sizes[kind] = [sum(e.numel() * e.element_size() for e in entries.values()), 0]
+        sizes[kind][1] += 1
+    return sum(size * count for size, count in sizes.values())
 
 
 def plan_memory(args, device: torch.device, dtype, quantize: str, groupsize: int, kv_int8=False,
@@ -511,15 +514,18 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         with out_of_memory(preset, device, "building the weights"):
             state, tokenizer, name = random_state_dict(args, dtype, device, transform=transform), None, preset
     else:
-        from .checkpoints import read_args, resolve
+        from .checkpoints import resolve
         kind, where = resolve(path)
         keep = quantize in ("gguf", "auto") and kind == "gguf"
-        plan_memory(read_args(where), torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
-                    weights=os.path.getsize(where) if keep else None, name=where, quiet=quiet)
+
+        def plan(args):  # (the reader calls it with the shapes, before any tensor)
+            plan_memory(args, torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
+                        weights=os.path.getsize(where) if keep else None, name=where, quiet=quiet)
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype}){as_loaded}...", quiet)
         with out_of_memory(where, device, "loading the weights"):
             ckpt = load_checkpoint(where, device=device, dtype=dtype, progress=None if quiet else progress_bar,
-                                   keep_gguf_blocks=keep and gguf_blocks_to_keep(device), transform=transform)
+                                   keep_gguf_blocks=keep and gguf_blocks_to_keep(device), transform=transform,
+                                   plan=plan)
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
     if transform:
         args = untied(args, state)

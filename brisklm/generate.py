@@ -25,6 +25,7 @@ from .model import Transformer, causal_block_mask, decode_block_mask
 from .precompile import artifacts_path, precompiled
 from .quantize import GroupedInt8Linear
 from .sampling import SamplingParams, sample
+from .speculative import accept
 
 
 class OnePassReductions:
@@ -102,38 +103,40 @@ def replayed(step):
     tensor arguments and the values of the others: sampling parameters, key
     lengths), and replayed. Uncompiled, a decode step is ~1,300 small
     launches whose Python costs far more than their kernels; replayed, it is
-    one launch. The tensor
-    arguments are copied into the graph's own; the output is the graph's, so
-    the caller clones it. The run before capture (which Triton's first
+    one launch. The tensor arguments are copied into the graph's own; the
+    output is the graph's, so the caller clones it. The run before capture (which Triton's first
     compile needs) writes the keys and values where the replay writes them
     again. All graphs share one memory pool: they never run at once, and
     each keeps its output."""
     graphs = {}
     pool = []
 
+    def setting(a):
+        return (a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
+
+    def own(a):
+        return a.clone() if isinstance(a, torch.Tensor) else a
+
     def run(*args, **kwargs):
-        args = (*args, *kwargs.values())
-        key = (tuple(kwargs), *((a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in args))
+        key = (*map(setting, args), *((k, setting(v)) for k, v in kwargs.items()))
         if key not in graphs:
-            device = next(a.device for a in args if isinstance(a, torch.Tensor))
-            inputs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-            call = lambda: step(*inputs[:len(inputs) - len(kwargs)],  # noqa: E731
-                                **dict(zip(kwargs, inputs[len(inputs) - len(kwargs):])))
+            device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            mine, mine_kw = [own(a) for a in args], {k: own(v) for k, v in kwargs.items()}
             side = torch.cuda.Stream(device)  # capture wants the warm-up off the main stream
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                call()
+                step(*mine, **mine_kw)
             torch.cuda.current_stream(device).wait_stream(side)
             if not pool:
                 pool.append(torch.cuda.graph_pool_handle())
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool[0]):
-                out = call()
-            graphs[key] = graph, inputs, out
+                out = step(*mine, **mine_kw)
+            graphs[key] = graph, [*mine, *mine_kw.values()], out
         graph, inputs, out = graphs[key]
-        for mine, given in zip(inputs, args):
+        for static, given in zip(inputs, (*args, *kwargs.values())):
             if isinstance(given, torch.Tensor):
-                mine.copy_(given)
+                static.copy_(given)
         graph.replay()
         return out
 
@@ -267,7 +270,6 @@ class Generator:
 
     def _speculated(self, prompt_ids, first: int, max_new_tokens, params, stop, drafter, k, t0):
         """The decode loop of speculative decoding (speculative.py), after the first token."""
-        from .speculative import accept
         stats = self.stats
         history = [*prompt_ids, first]
         stats.prefill_s, stats.new_tokens = time.perf_counter() - t0, 1
@@ -286,13 +288,14 @@ class Generator:
             emitted = accept(logits, drafts, q, params)
             stats.target_steps += 1
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
+            self.cached = history + emitted[:-1]  # (the last emitted token is not in the cache yet)
             for value in emitted:
                 history.append(value)
-                self.cached = history[:-1]
                 stats.new_tokens += 1
                 stats.decode_s = time.perf_counter() - t_decode
                 yield value
                 if value in stop:
+                    self.cached = history[:-1]
                     return
 
     def prefill(self, ids: list[int], start: int, params: SamplingParams) -> torch.Tensor:

@@ -170,17 +170,13 @@ def quantize_state_dict(args, state: dict, mode: str, groupsize: int = 128, prog
     entries (`quantizer` applied to each tensor). Returns (args, state).
     progress(done, total) is called per matrix."""
     transform = quantizer(mode, groupsize)
-    total = sum(is_quantized_linear(n) for n in state) + ("tok_embeddings.weight" in state
-                                                            and args.tie_word_embeddings)
-    out, done = {}, 0
+    matrices = [n for n in state if is_quantized_linear(n) or (n == "tok_embeddings.weight"
+                                                               and args.tie_word_embeddings)]
+    out = {}
     for name in list(state):
-        entries = transform(args, name, state[name])
-        out.update(entries)
-        made = sum(e != name and e.endswith(("_int8", "_fp8", "_int4")) and is_quantized_linear(e.rsplit("_", 1)[0])
-                   for e in entries)
-        if made and progress:
-            done += made
-            progress(done, total)
+        out.update(transform(args, name, state[name]))
+        if progress and name in matrices:
+            progress(matrices.index(name) + 1, len(matrices))
     return untied(args, out), out
 
 

@@ -26,8 +26,11 @@ class Checkpoint:
 
 
 def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=None,
-         keep_gguf_blocks: bool | str = False, transform=None) -> Checkpoint:
+         keep_gguf_blocks: bool | str = False, transform=None, plan=None) -> Checkpoint:
     """Read a checkpoint, placing each tensor on device in dtype as it is read.
+
+    plan(args), if given, is called once the model's shapes are read and
+    before any tensor is (api's memory plan, which may refuse there).
 
     transform(args, name, tensor) -> entries, if given, replaces each dense
     canonical tensor as it is read (quantize.quantizer: quantized while
@@ -42,12 +45,12 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
     kind, path = resolve(path)
     if kind == "native":
         from .native import load_native
-        return load_native(path, device, dtype, progress, transform)
+        return load_native(path, device, dtype, progress, transform, plan)
     if kind == "hf":
         from .hf import load_hf_folder
-        return load_hf_folder(path, device, dtype, progress, transform)
+        return load_hf_folder(path, device, dtype, progress, transform, plan)
     from .gguf import load_gguf
-    return load_gguf(path, device, dtype, progress, keep_gguf_blocks, transform)
+    return load_gguf(path, device, dtype, progress, keep_gguf_blocks, transform, plan)
 
 
 def resolve(path: str | None) -> tuple[str, str]:
@@ -75,21 +78,6 @@ def resolve(path: str | None) -> tuple[str, str]:
         raise BriskError(f"{path}: unrecognised checkpoint format (expected a GGUF file or a "
                          f"Hugging Face / brisk-lm folder)")
     return "gguf", path
-
-
-def read_args(path: str | None) -> ModelArgs:
-    """The model's shapes from a checkpoint's metadata alone (no tensor read):
-    what a memory plan needs before loading."""
-    kind, path = resolve(path)
-    if kind == "hf":
-        from .hf import read_config
-        return read_config(path)
-    if kind == "native":
-        from .native import read_metadata
-        return ModelArgs(**read_metadata(path)["model_args"])
-    from .gguf import metadata, open_reader, read_args as gguf_args
-    reader = open_reader(path)
-    return gguf_args(metadata(reader), path, {t.name: t for t in reader.tensors})
 
 
 # Our canonical per-layer names -> Hugging Face's. q/k/v and

@@ -158,7 +158,7 @@ def load_tokenizer(meta: dict, path: str) -> Tokenizer:
                      meta.get("tokenizer.chat_template"))
 
 
-def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transform=None) -> Checkpoint:
+def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transform=None, plan=None) -> Checkpoint:
     """keep_blocks: False dequantizes every matrix; "all" keeps Q4_0/Q4_1
     matrices as int4 entries and Q8_0 ones as grouped int8 entries; "output"
     keeps the Q4 ones and, of the Q8_0 ones, only the output layer (also when
@@ -170,6 +170,8 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
     args = read_args(meta, path, tensors)
     if "rope_freqs.weight" in tensors:
         args = _check_rope_freqs(args, tensors["rope_freqs.weight"], path)
+    if plan:
+        plan(args)
     arch = meta["general.architecture"]
     by_hf = {}
     for name in tensors:

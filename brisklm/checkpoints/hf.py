@@ -96,8 +96,10 @@ class _TensorFiles:
                              f"{name!r} ({e})") from None
 
 
-def load_hf_folder(folder: str, device, dtype, progress=None, transform=None) -> Checkpoint:
+def load_hf_folder(folder: str, device, dtype, progress=None, transform=None, plan=None) -> Checkpoint:
     args = read_config(folder)
+    if plan:
+        plan(args)
     files = _TensorFiles(folder)
     state = assemble_from_hf_names(args, files.get, files.has, device, dtype, folder,
                                    progress=progress, transform=transform)

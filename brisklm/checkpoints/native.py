@@ -72,10 +72,12 @@ def read_metadata(folder: str) -> dict:
     return info
 
 
-def load_native(folder: str, device, dtype, progress=None, transform=None) -> Checkpoint:
+def load_native(folder: str, device, dtype, progress=None, transform=None, plan=None) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
     info = read_metadata(folder)
     args = ModelArgs(**info["model_args"])
+    if plan:
+        plan(args)
     weights = os.path.join(folder, "model.safetensors")
     state, aliases, read = {}, info.get("aliases") or {}, {}
     try:
