@@ -69,7 +69,7 @@ def measure(model: str, mode: str, gguf: str, device: str = "cuda") -> dict:
         run(ids_n, 2)
         ttft[n] = statistics.median(run(ids_n, 2).prefill_s for _ in range(3)) * 1e3
     ceiling = read_ceiling_gb_s(torch.device(device))
-    dtype = llm.model.norm.weight.dtype
+    dtype = llm.model.dtype
     per_token = gen.stats.weight_bytes + 105 * kv_bytes_per_position(llm.model.args, dtype)
     rate = statistics.median(rates)
     from brisklm.sampling import SamplingParams

@@ -60,7 +60,7 @@ def main():
             outputs[name] = out
             rows.append((prompt_name, name, len(ids), len(out), statistics.median(rates),
                          statistics.median(steps), out == outputs["plain"]))
-    print(f"\nSmolLM2 GGUF on {gen.device}, {llm.model.norm.weight.dtype}, greedy, up to {opts.tokens} tokens, "
+    print(f"\nSmolLM2 GGUF on {gen.device}, {llm.model.dtype}, greedy, up to {opts.tokens} tokens, "
           f"{opts.draft_tokens} drafts a step")
     print("| prompt | decoding | prompt tokens | tokens | decode tok/s | speed-up | tokens a target step "
           "| output equals plain |")

@@ -82,15 +82,15 @@ def step(start: str, done: str, quiet: bool = False):
     log(f"{done} in {time.perf_counter() - t0:.1f} s", quiet)
 
 
-def gguf_blocks_to_keep(device) -> str:
+def gguf_blocks_to_keep(device, fused_kernels: bool = True) -> str:
     """Which of a GGUF file's quantized matrices stay quantized on `device`
     (checkpoints.load's keep_gguf_blocks): the Q4 ones always; the Q8_0 ones
-    where our Triton GEMVs run them; on other devices only a Q8_0 output
+    where our Triton GEMVs run them (fused_kernels); elsewhere only a Q8_0 output
     layer, where aten's int8 matmul, once per group of 32 inputs, beats its
     dense copy (quantize.GroupedInt8Linear), which it does not at the layers'
     sizes."""
     from .kernels import gemv
-    return "all" if gemv.available(torch.device(device)) else "output"
+    return "all" if fused_kernels and gemv.available(torch.device(device)) else "output"
 
 
 @contextlib.contextmanager
@@ -279,7 +279,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.name = name
         self.context = supported_context(model.args)
-        device, dtype = model.norm.weight.device, model.norm.weight.dtype
+        device, dtype = model.device, model.dtype
         length = cache_length(model.args, device, dtype, kv_int8, max_seq_length, allow_long_context, quiet)
         try:
             self.generator = Generator(model, length, compile=compile, compile_prefill=compile_prefill,
@@ -449,7 +449,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
          quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False,
          allow_long_context: bool = False, speculate: str | None = None, draft_tokens: int = 4,
          draft_layers: int | None = None, draft_checkpoint_path: str | None = None,
-         draft_quantize: str | None = None) -> LLM:
+         draft_quantize: str | None = None, fused_kernels: bool = True) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -477,7 +477,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     draft_checkpoint_path, by default this one, loaded with draft_quantize, e.g.
     the model itself in int4); each target forward then checks up to draft_tokens drafts, and
     the output is what plain decoding gives (greedy: token for token). Its
-    steps run uncompiled for now, so it pays on CPUs, not yet on GPUs."""
+    steps run uncompiled for now, so it pays on CPUs, not yet on GPUs.
+
+    fused_kernels=False leaves out our Triton kernels on NVIDIA GPUs
+    (fusion.fuse_for_decode): every step in PyTorch ops, to compare."""
     from .checkpoints import load as load_checkpoint
     quantize = quantize or "none"
     if quantize not in LOAD_MODES:
@@ -524,7 +527,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype}){as_loaded}...", quiet)
         with out_of_memory(where, device, "loading the weights"):
             ckpt = load_checkpoint(where, device=device, dtype=dtype, progress=None if quiet else progress_bar,
-                                   keep_gguf_blocks=keep and gguf_blocks_to_keep(device), transform=transform,
+                                   keep_gguf_blocks=keep and gguf_blocks_to_keep(device, fused_kernels),
+                                   transform=transform,
                                    plan=plan)
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
     if transform:
@@ -534,6 +538,9 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     if quantize == "q8_0" and torch.device(device).type == "cpu" and not compile:
         log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", quiet)
     model = build_model(args, state)
+    if fused_kernels:
+        from .fusion import fuse_for_decode
+        fuse_for_decode(model)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     llm = LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
               compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8,
@@ -543,7 +550,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         llm.draft = load(draft_checkpoint_path or path, device=device, dtype=dtype, compile=False,
                          max_seq_length=llm.generator.max_seq_length, allow_long_context=True,
                          preset=None if draft_checkpoint_path or path else preset, quiet=quiet,
-                         quantize=draft_quantize or quantize, groupsize=groupsize, kv_int8=kv_int8)
+                         quantize=draft_quantize or quantize, groupsize=groupsize, kv_int8=kv_int8,
+                         fused_kernels=fused_kernels)
         theirs, ours = llm.draft.model.args.vocab_size, model.args.vocab_size
         if theirs != ours:
             raise BriskError(f"{llm.draft.name}: the draft model's vocabulary ({theirs} tokens) is not the "

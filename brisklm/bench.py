@@ -236,7 +236,8 @@ def run(opts) -> dict:
                compile=opts.compile, compile_prefill=opts.compile_prefill,
                compile_options=opts.compile_options, max_seq_length=length, quiet=False,
                quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8,
-               allow_long_context=opts.allow_long_context)
+               allow_long_context=opts.allow_long_context, fused_kernels=getattr(opts, "fused_kernels", True))
+    result["fused_kernels"] = bool(llm.model.decode_kernels)
     result["max_seq_length"] = llm.generator.max_seq_length
     limit = llm.generator.max_seq_length - opts.new_tokens - 8
     skipped = [n for n in prefill + context if n > limit]
@@ -244,7 +245,7 @@ def run(opts) -> dict:
         log(f"  skipping lengths {skipped}: past the KV cache of {llm.generator.max_seq_length} tokens "
             f"(the model's context is {llm.context})")
     prefill, context = [n for n in prefill if n <= limit], [n for n in context if n <= limit]
-    dtype = llm.model.norm.weight.dtype
+    dtype = llm.model.dtype
     ceiling = result["read_ceiling_gb_s"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -39,6 +39,8 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--groupsize", type=int, default=128, help=f"int4 group size ({', '.join(map(str, GROUP_SIZES))})")
     p.add_argument("--kv_int8", action="store_true",
                    help="KV cache in int8 with a scale per position and head: half the memory, some speed")
+    p.add_argument("--no_fused_kernels", dest="fused_kernels", action="store_false",
+                   help="on NVIDIA GPUs, leave out our Triton kernels (fusion.py): PyTorch ops only, to compare")
     p.add_argument("--compile_options", type=_json_dict, default=None,
                    help='inductor options as JSON, e.g. \'{"coordinate_descent_tuning": true}\'')
 
@@ -172,7 +174,7 @@ def _load(args, quiet=False):
                 allow_long_context=args.allow_long_context, speculate=getattr(args, "speculate", None),
                 draft_tokens=getattr(args, "draft_tokens", 4), draft_layers=getattr(args, "draft_layers", None),
                 draft_checkpoint_path=getattr(args, "draft_checkpoint_path", None),
-                draft_quantize=getattr(args, "draft_quantize", None))
+                draft_quantize=getattr(args, "draft_quantize", None), fused_kernels=args.fused_kernels)
 
 
 def _sampling(args) -> dict:

@@ -20,10 +20,8 @@ from typing import Iterator
 
 import torch
 
-from .kernels import attention as attention_kernel
 from .model import Transformer, causal_block_mask, decode_block_mask
 from .precompile import artifacts_path, precompiled
-from .quantize import GroupedInt8Linear
 from .sampling import SamplingParams, sample
 from .speculative import accept
 
@@ -98,6 +96,12 @@ def decode_one_token(model: Transformer, token, input_pos, params: SamplingParam
     return sample(logits[:, -1], params)
 
 
+def forward(model: Transformer, idx, input_pos, kv_len=None, last=None, depth=None):
+    """The model's logits as a step function (for `replayed`): a speculative
+    step's verify forward over several tokens and its draft steps."""
+    return model(idx, input_pos, last=last, kv_len=kv_len, depth=depth)
+
+
 def replayed(step):
     """`step` captured in a CUDA graph, one per setting (the shapes of its
     tensor arguments and the values of the others: sampling parameters, key
@@ -151,7 +155,7 @@ def prefill_shape(start: int, n: int, max_seq_length: int) -> tuple[int, int] | 
     """(padded prompt length, keys attended) of the CUDA graph that prefills n
     tokens after `start` cached ones; None if no graph holds them. The keys
     round up to a power of two, so one graph serves many conversation lengths."""
-    bucket = next((b for b in PREFILL_BUCKETS if b >= n), None)
+    bucket = 1 if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), None)
     if bucket is None or start + bucket > max_seq_length:
         return None
     return bucket, min(1 << (start + bucket - 1).bit_length(), max_seq_length)
@@ -202,7 +206,7 @@ class Generator:
     def __init__(self, model: Transformer, max_seq_length: int, compile: bool = False,
                  compile_prefill: bool = False, compile_options: dict | None = None, kv_int8: bool = False):
         self.model = model
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self.max_seq_length = max_seq_length
         model.setup_caches(1, max_seq_length, kv_int8)
         self.cached: list[int] = []  # tokens whose keys/values are in the cache
@@ -212,23 +216,24 @@ class Generator:
         self._prefill = prefill
         self.block_mask = None
         # Uncompiled on CUDA, the step is replayed from a CUDA graph where its
-        # attention reads the filled length on the device (the Triton kernel);
-        # BRISKLM_CUDA_GRAPHS=0 runs it op by op (for debugging and profiles).
+        # attention reads the filled length on the device (the Triton kernel
+        # fusion.fuse_for_decode swapped in); BRISKLM_CUDA_GRAPHS=0 runs it op
+        # by op (for debugging and profiles).
+        length_on_device = model.decode_kernels.get("attention", False)
         self.graphed = (not compile and self.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0"
-                        and attention_kernel.supported(self.device, 1, 1, model.args.head_dim))
+                        and length_on_device)
         if self.graphed:
             self._decode = replayed(decode_one_token)
+        # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
+        model.prepare(self.device, compiled=compile)
         if compile:
-            if not attention_kernel.supported(self.device, 1, 1, model.args.head_dim):
+            if not length_on_device:
                 self.block_mask = causal_block_mask(max_seq_length, self.device, model.args.sliding_window)
             # Inductor options apply to this function only (no global flags). On
             # CUDA the step becomes one CUDA graph, and inductor's kernels launch
             # while their predecessor finishes (programmatic dependent launch,
             # Hopper and later).
             cuda = self.device.type == "cuda"
-            for module in model.modules():  # on CPUs: Q8_0 codes in the layout the compiled step reads fastest
-                if isinstance(module, GroupedInt8Linear):
-                    module.rows_last()
             options = {"triton.cudagraphs": cuda, "triton.enable_pdl": cuda,
                        "inductor_choices_class": OnePassReductions, **(compile_options or {})}
             self.compile_path = artifacts_path(model, options)  # (precompile.compiled_before tells)
@@ -242,9 +247,10 @@ class Generator:
         # On CUDA a prompt of up to PREFILL_BUCKETS[-1] new tokens is padded to
         # a bucket and its prefill replayed from a CUDA graph: launched kernel
         # by kernel, a short prefill costs its launches, not its reads.
-        self.graphed_prefill = None
+        # So are a speculative step's verify forward and draft steps (`logits`).
+        self.graphed_prefill = self.graphed_forward = None
         if self.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0":
-            self.graphed_prefill = replayed(self._prefill)
+            self.graphed_prefill, self.graphed_forward = replayed(self._prefill), replayed(forward)
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):
@@ -281,10 +287,8 @@ class Generator:
         while stats.new_tokens < max_new_tokens:
             here = len(history) - 1  # the position of the newest token, not yet in the cache
             room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted
-            drafts, q = drafter.propose(history, min(k, room), params) if room and k else ([], None)
-            ids = torch.tensor([[history[-1], *drafts]], device=self.device)
-            pos = torch.arange(here, here + ids.shape[1], device=self.device)
-            logits = self.model(ids, pos, kv_len=here + ids.shape[1])[0]  # (1 + drafts, V)
+            drafts, q = drafter.propose(history, min(k, room), params, self.logits) if room and k else ([], None)
+            logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
             emitted = accept(logits, drafts, q, params)
             stats.target_steps += 1
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
@@ -298,20 +302,38 @@ class Generator:
                     self.cached = history[:-1]
                     return
 
-    def prefill(self, ids: list[int], start: int, params: SamplingParams) -> torch.Tensor:
-        """The keys and values of ids at positions start.. into the cache -> the
-        next token (1,). Padded to a bucket when a CUDA graph holds it: the
-        padding's keys and values land past the prompt, where each decode step
-        writes its own before any query reads them."""
+    def _padded(self, ids: list[int], start: int, max_seq_length: int, graphed):
+        """(ids as a (1, T) tensor, positions, kv_len, whether a graph holds them):
+        padded to a bucket when a CUDA graph holds them. The padding's keys and
+        values land past the given tokens, where each later step writes its own
+        before any query reads them."""
         n = len(ids)
-        shape = self.graphed_prefill and prefill_shape(start, n, self.max_seq_length)
+        shape = graphed and prefill_shape(start, n, max_seq_length)
         padded, kv_len = shape if shape else (n, start + n)
         new = torch.tensor([ids + [0] * (padded - n)], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + padded, device=self.device)
-        last = torch.tensor([n - 1], device=self.device)
-        run = self.graphed_prefill if shape else self._prefill
+        return new, torch.arange(start, start + padded, device=self.device), kv_len, bool(shape)
+
+    def prefill(self, ids: list[int], start: int, params: SamplingParams) -> torch.Tensor:
+        """The keys and values of ids at positions start.. into the cache -> the
+        next token (1,), from a CUDA graph where one holds them (`_padded`)."""
+        new, pos, kv_len, graphed = self._padded(ids, start, self.max_seq_length, self.graphed_prefill)
+        last = torch.tensor([len(ids) - 1], device=self.device)
+        run = self.graphed_prefill if graphed else self._prefill
         token = run(self.model, new, pos, params, kv_len=kv_len, last=last)
-        return token.clone() if shape else token
+        return token.clone() if graphed else token
+
+    def logits(self, ids: list[int], start: int, model: Transformer | None = None, last: int | None = None,
+               depth: int | None = None) -> torch.Tensor:
+        """Logits (1, len(ids), V) of ids at positions start.., or (1, 1, V) at
+        index `last` only, of this generator's model or of `model` (a draft
+        with its own cache), their keys and values into its cache; from a CUDA
+        graph where one holds them (`_padded`)."""
+        model = model or self.model
+        new, pos, kv_len, graphed = self._padded(ids, start, model.max_seq_length, self.graphed_forward)
+        at = None if last is None else torch.tensor([last], device=self.device)
+        out = (self.graphed_forward if graphed else forward)(model, new, pos, kv_len=kv_len, last=at, depth=depth)
+        out = out if last is not None else out[:, :len(ids)]
+        return out.clone() if graphed else out
 
     @torch.no_grad()
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,

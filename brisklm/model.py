@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-from .kernels import attention as attention_kernel
-from .kernels import gemv
 
 
 @dataclass
@@ -190,31 +188,58 @@ class KVCache(nn.Module):
         return tuple(getattr(self, name)[:, :, :length].to(self.dtype) * getattr(self, name + "_scale")[:, :, :length]
                      for name in ("k", "v"))
 
-    def decode_attention(self, qkv, cos, sin, input_pos, window: int | None = None):
-        """One new token, by the Triton kernel: RoPE, its key and value stored at
-        input_pos, attention over positions 0..input_pos (the last `window` of
-        them). Returns (1, 1, H * D)."""
-        scales = (self.k_scale, self.v_scale) if self.k.dtype == torch.int8 else (None, None)
-        return attention_kernel.decode_attention(qkv.reshape(-1), cos.reshape(-1), sin.reshape(-1),
-                                                 self.k, self.v, input_pos, *scales, window=window)
+
+class WeightFormat(nn.Module):
+    """A Linear layer's weights in one format (dense here; int8, Q8_0, fp8 and
+    int4 in quantize.py): y = x W^T (+ bias) for x (..., in_features).
+
+    A format implements `matmul` for x as rows (M, in_features) and may lay
+    its tensors out for the device it runs on in `prepare`: the model is
+    built with the tensors as stored, and `Transformer.prepare` is called
+    once it sits where it will run. Kernel routes are not chosen here
+    (fusion.fuse_for_decode swaps those in)."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    def forward(self, x):
+        y = self.matmul(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prepare(self, device: torch.device, compiled: bool = False):
+        """Re-lay the tensors out for `device` (compiled: for a compiled step)."""
 
 
-class Linear(nn.Linear):
-    """nn.Linear, except that one token on a GPU goes through our Triton GEMV
-    for the shapes where it measured faster than cuBLAS (kernels/gemv.py).
+class Linear(WeightFormat, nn.Linear):
+    """Dense weights (nn.Linear's parameters)."""
 
-    Every Linear module here takes the RMSNorm before it, if any, as `norm` and
-    returns W norm(x): the int4 and bf16 GEMVs apply its 1/rms to their sums
-    (gemv.pack_x, gemv.norm_parts), without a kernel between two GEMVs that
-    reduces over all of x; the other paths apply it first."""
+    def matmul(self, x):
+        return F.linear(x, self.weight)
 
-    def forward(self, x, norm=None):
-        if x.is_cuda and x.numel() == self.in_features and gemv.available(x.device) \
-                and gemv.beats_dense(self.out_features, self.in_features):
-            y = gemv.scaled_gemv(x.reshape(-1), self.weight, norm).sum(0).to(x.dtype)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        return super().forward(x if norm is None else norm(x))
+
+@dataclass(frozen=True)
+class Format:
+    """A quantized weight format, as build_model finds it in a state dict: the
+    entries `{name}_{suffix}` for each of `parts` (the codes' suffix first)."""
+    parts: tuple[str, ...]
+    linear: Callable  # (parts, in_features, dtype, bias) -> WeightFormat
+    fits: Callable  # (parts, (N, K)) -> bool
+    embedding: Callable | None = None  # (parts, dtype) -> an embedding module
+
+
+FORMATS: dict[str, Format] = {}  # by the codes' suffix; quantize.py registers its formats
+
+
+def format_entries(state: dict, name: str) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """(codes' suffix, parts) stored for weight `name` in a registered format, or None."""
+    for kind, fmt in FORMATS.items():
+        if f"{name}_{kind}" in state:
+            return kind, {s: state[f"{name}_{s}"] for s in fmt.parts}
+    return None
 
 
 class Attention(nn.Module):
@@ -228,12 +253,10 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.window = args.sliding_window
 
-    def forward(self, x, cos, sin, mask, input_pos, norm=None):
+    def forward(self, x, cos, sin, mask, input_pos):
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        qkv = self.wqkv(x, norm)
-        if attention_kernel.supported(x.device, B, T, self.head_dim):  # one token on a GPU
-            return self.wo(self.kv_cache.decode_attention(qkv, cos, sin, input_pos, self.window))
+        qkv = self.wqkv(x)
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -258,8 +281,8 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x, norm=None):
-        gate, up = self.w13(x, norm).split(self.intermediate_size, dim=-1)
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -272,9 +295,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, mask, input_pos):
-        # each norm goes to the Linear after it (see Linear)
-        h = x + self.attention(x, cos, sin, mask, input_pos, self.attention_norm)
-        return h + self.feed_forward(h, self.ffn_norm)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -287,6 +309,33 @@ class Transformer(nn.Module):
         self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_seq_length = 0
         self.kv_int8 = False
+        # What fusion.fuse_for_decode swapped in, if anything: {"attention": True}
+        # when one token's attention reads the filled length on the device,
+        # and the GEMVs' tuned blocks.
+        self.decode_kernels: dict = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (a quantized embedding table says which it makes)."""
+        embedding = self.tok_embeddings
+        return getattr(embedding, "dtype", None) or embedding.weight.dtype
+
+    def prepare(self, device=None, compiled: bool = False):
+        """Lay every weight format out for `device` (by default where the model
+        is; compiled: for a compiled decode step). Call it after moving the model."""
+        device = torch.device(device or self.device)
+        todo = [self]
+        while todo:  # (a format's own modules are its business)
+            module = todo.pop()
+            if isinstance(module, WeightFormat):
+                module.prepare(device, compiled)
+            else:
+                todo.extend(module.children())
+        return self
 
     def tie_weights(self):
         if self.args.tie_word_embeddings:
@@ -296,7 +345,7 @@ class Transformer(nn.Module):
         """Allocate the KV cache (int8 with kv_int8; None keeps the current kind)
         and the RoPE tables for up to max_seq_length positions."""
         self.kv_int8 = self.kv_int8 if kv_int8 is None else kv_int8
-        dtype, device = self.norm.weight.dtype, self.norm.weight.device  # the activations'
+        dtype, device = self.dtype, self.device
         a = self.args
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
@@ -313,12 +362,12 @@ class Transformer(nn.Module):
         or (B, 1, V) for one position along T only, the index `last` (shape (1,),
         a tensor so that a CUDA graph of a padded prompt takes it as an input).
 
-        Attention reads only the filled part of the cache. One token on a GPU
-        goes through the decode attention kernel (kernels/attention.py), which
-        reads the length on the device. Otherwise eager callers pass kv_len
-        (known on the host) and compiled decode steps a one-row block_mask
-        (see decode_block_mask), whose flex-attention kernel skips the empty
-        blocks; with neither, attention covers the whole cache, masked.
+        Attention reads only the filled part of the cache: eager callers pass
+        kv_len (known on the host) and compiled decode steps a one-row
+        block_mask (see decode_block_mask), whose flex-attention kernel skips
+        the empty blocks; with neither, attention covers the whole cache,
+        masked. (With decode_kernels, one token's attention reads the length
+        on the device and ignores both.)
 
         depth runs the first `depth` layers only, then the final norm and the
         output layer: the target's own shallow draft (speculative.py)."""
@@ -333,7 +382,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask, input_pos)
         if last is not None:
             x = x.index_select(1, last)
-        return self.output(x, self.norm).float()
+        return self.output(self.norm(x)).float()
 
 
 def visible(q_pos, k_pos, window: int | None = None):
@@ -403,42 +452,40 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transfo
     """Make a Transformer whose parameters are the given tensors (no copy).
 
     The module is created on the meta device and the tensors assigned, so the
-    weights exist once, wherever the reader put them. A Linear whose weight
-    comes quantized (quantize.py's `W_int8` / `W_int4` entries) becomes the
-    module that reads those integers; so does an int8 embedding table."""
-    from .quantize import Int8Embedding, check_entries, quantized_entries, quantized_linear
+    weights exist once, wherever the reader put them. A weight stored in a
+    registered format (FORMATS: quantize.py's `W_int8`, `W_int4`, ... entries)
+    becomes that format's module; so does a quantized embedding table. The
+    tensors stay as stored: `Transformer.prepare` lays them out for a device."""
     expected = canonical_names(args)
-    quantized = {}
+    stored = {}
     for name, shape in expected.items():
         if name in state_dict:
             if tuple(state_dict[name].shape) != shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
                                  f"expected {shape}")
             continue
-        parts = quantized_entries(state_dict, name)
-        if parts is None:
-            missing = [n for n in expected if n not in state_dict
-                       and quantized_entries(state_dict, n) is None]
+        found = format_entries(state_dict, name)
+        if found is None:
+            missing = [n for n in expected if n not in state_dict and format_entries(state_dict, n) is None]
             raise ValueError(f"missing tensor {name!r} ({len(missing)} missing)")
-        problem = check_entries(name, parts, shape)
-        if problem:
-            raise ValueError(problem)
-        quantized[name] = parts
+        if not FORMATS[found[0]].fits(found[1], shape):
+            raise ValueError(f"quantized tensor {name!r} does not fit shape {shape}")
+        stored[name] = found
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict({n: state_dict[n] for n in expected if n in state_dict},
                           strict=False, assign=True)
     model.tie_weights()
     dtype = model.norm.weight.dtype
-    for name, parts in quantized.items():
+    for name, (kind, parts) in stored.items():
         if name == "tok_embeddings.weight":
-            model.tok_embeddings = Int8Embedding(parts["int8"], parts["scale"], dtype)
+            model.tok_embeddings = FORMATS[kind].embedding(parts, dtype)
             continue
         path, _ = name.rsplit(".", 1)  # "layers.3.attention.wqkv"
         parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
         parent = model.get_submodule(parent_path)
         bias = state_dict.get(path + ".bias")
-        setattr(parent, attr, quantized_linear(parts, expected[name][1], dtype, bias))
+        setattr(parent, attr, FORMATS[kind].linear(parts, expected[name][1], dtype, bias))
     return model.eval().requires_grad_(False)
 
 

@@ -41,9 +41,9 @@ def artifacts_path(model, options: dict, step: str = "decode") -> str:
     tensors = [(n, tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]]
     device = model.rope_cos.device
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    from .kernels import gemv  # its tuned blocks are constants of the traced step
+    # (decode_kernels: the fused kernels' tuned blocks, constants of the traced step)
     what = repr((torch.__version__, source_digest(), model.args, tensors, sorted(options.items()), where,
-                 gemv.tuned()))
+                 model.decode_kernels))
     return os.path.join(cache_dir(), "brisklm", f"{step}-{hashlib.sha256(what.encode()).hexdigest()[:20]}.bin")
 
 

@@ -1,9 +1,9 @@
 """Weight-only quantization: int8 per channel or per group, int4 per group, fp8, as a transformation.
 
 The model code is unchanged: a quantized weight lives in the state dict under
-the Linear's name with a suffix, and `build_model` swaps in the module that
-reads it. Nothing is ever dequantized into a full-precision copy; the matrix
-kernels read the small integers:
+the Linear's name with a suffix, and `build_model` makes the module that
+reads it (each format registers itself in model.FORMATS). Nothing is ever
+dequantized into a full-precision copy of the whole model:
 
   int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale; or `W_scale`
         (N, K/group): a scale per group of inputs (GGUF Q8_0 and mode q8_0: groups of
@@ -14,13 +14,12 @@ kernels read the small integers:
         `W_scale`, `W_zero` (N, K/group): w = (q - 8) * scale + zero, the
         format of PyTorch's int4 "tinygemm" kernels.
 
-Kernels. One token on a GPU (decode): our Triton GEMVs (kernels/gemv.py) read
-the stored codes as they are, dequantizing in registers; so does
-kernels/matmul.py for up to FEW_ROWS tokens (a short prompt), on the tensor
-cores. More tokens on a GPU (a long prompt): the weight is widened to the
-activation dtype and multiplied densely. CPU: aten._weight_int8pack_mm for one
-int8 token, aten._weight_int4pack_mm_for_cpu for int4 (packed at load), and
-dequantize-then-matmul otherwise (fp8 is emulated that way).
+The modules here compute with plain PyTorch: on CPUs aten._weight_int8pack_mm
+for one int8 token, aten._weight_int4pack_mm_for_cpu for int4 (repacked by
+`prepare`), and elsewhere the weight widened to the activation dtype and
+multiplied densely (fp8 is emulated that way). On NVIDIA GPUs
+fusion.fuse_for_decode wraps them in the Triton kernels, which read the
+stored codes as they are (one token: kernels/gemv.py; a few: kernels/matmul.py).
 
 GGUF Q4_0 and Q4_1 blocks are this int4 format with group 32 (Q4_1: scale d,
 zero m + 8d; Q4_0: scale d, zero 0), so such files load without a lossy round
@@ -32,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels import gemv, matmul
+from .model import FORMATS, Format, WeightFormat, format_entries
 from .modes import GROUP_SIZES, RTN_MODES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -213,16 +212,13 @@ def quantize_embedding(state: dict, groupsize: int = 32) -> dict:
 
 def quantized_entries(state: dict, name: str) -> dict[str, torch.Tensor] | None:
     """The quantized parts stored for Linear weight `name`, or None if it is dense."""
-    for kind, suffixes in (("int8", ("int8", "scale")), ("fp8", ("fp8", "scale")),
-                           ("int4", ("int4", "scale", "zero"))):
-        if f"{name}_{kind}" in state:
-            return {s: state[f"{name}_{s}"] for s in suffixes}
-    return None
+    found = format_entries(state, name)
+    return found and found[1]
 
 
 # --- the modules ----------------------------------------------------------------
 
-class ScaledWeightOnlyLinear(nn.Module):
+class ScaledWeightOnlyLinear(WeightFormat):
     """int8 or fp8 weights with one scale per output channel."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype, bias=None):
@@ -232,25 +228,14 @@ class ScaledWeightOnlyLinear(nn.Module):
         self.register_buffer("scale", scale.to(dtype))
         self.bias = bias
 
-    def forward(self, x, norm=None):  # norm: the RMSNorm before this Linear (model.Linear)
-        x = x if norm is None else norm(x)
-        one_token = x.numel() == self.in_features
-        if one_token and gemv.available(x.device):
-            partials = gemv.scaled_gemv(x.reshape(-1), self.weight)
-            y = (partials.sum(0) * self.scale.float()).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif one_token and x.device.type == "cpu" and self.weight.dtype == torch.int8:
-            # Many tokens (prefill): converting the weight once and using the
-            # dense matmul measured 3-30x faster than this kernel on the CPU.
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(1, -1), self.weight, self.scale)
-            y = y.reshape(*x.shape[:-1], self.out_features)
-        elif one_token:
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scale
-        elif matmul.supported(x):  # a few tokens on a GPU: the codes read once
-            y = matmul.few_rows_matmul(x.reshape(-1, self.in_features), self.weight) * self.scale.float()
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        else:
-            y = dequantized_matmul(x, self.weight) * self.scale
-        return y if self.bias is None else y + self.bias
+    def matmul(self, x):
+        if x.shape[0] == 1 and x.device.type == "cpu" and self.weight.dtype == torch.int8:
+            # (many tokens, prefill: converting the weight once and using the
+            # dense matmul measured 3-30x faster than this kernel on the CPU)
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        if x.shape[0] == 1:
+            return F.linear(x, self.weight.to(x.dtype)) * self.scale
+        return dequantized_matmul(x, self.weight) * self.scale
 
 
 @torch.library.custom_op("brisklm::dequantized_matmul", mutates_args=())
@@ -274,86 +259,81 @@ def as_buffer(x: torch.Tensor) -> torch.Tensor:
 as_buffer.register_fake(lambda x: torch.empty_like(x))
 
 
-class GroupedInt8Linear(nn.Module):
+class GroupedInt8Linear(WeightFormat):
     """int8 weights with a scale per group of inputs: GGUF Q8_0 blocks (groups
-    of 32, fp16 scales) kept as they are. Where the Triton GEMV runs they are
-    read as stored. Elsewhere (CPUs) they are regrouped at load as (K/G, N, G),
-    so that aten's int8 matmul, whose scales are per output row, runs once per
-    group for one token. A compiled decode step takes them as (K/G, G, N)
-    instead (`rows_last`, which the Generator calls): one expression, which
-    inductor compiles into one loop with the rows along the vector lanes
-    (over (K/G, N, G) the sums of 32 inputs ran across the lanes, slower).
+    of 32, fp16 scales) kept as they are. Three layouts (`prepare`):
+
+    - "stored" (N, K) codes, (N, K/G) scales: what the Triton kernels read
+      (GPUs, in fp16: Q8_0's own precision); this module alone widens it for
+      a dense matmul.
+    - "grouped" (CPUs): codes regrouped as (K/G, N, G), so that aten's int8
+      matmul, whose scales are per output row, runs once per group for one
+      token and a few (up to 32 rows: a speculative verify step).
+    - "rows_last" (a compiled step on a CPU): (K/G, G, N), one expression
+      that inductor compiles into one loop with the rows along the vector
+      lanes (over (K/G, N, G) the sums of 32 inputs ran across the lanes,
+      slower).
+
     Several tokens multiply the dequantized matrix, far faster than once per
     group. (Figures: benchmarks/JOURNAL.md, CPU sections of 2026-11-30.)"""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias=None, dtype=torch.float32):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.group = self.in_features // scale.shape[1]
         self.bias = bias
-        self.grouped = not gemv.available(weight.device)
-        self.is_rows_last = False
-        if self.grouped:
-            g = self.in_features // scale.shape[1]
-            self.register_buffer("groups", weight.view(self.out_features, -1, g).transpose(0, 1).contiguous())
-            self.register_buffer("group_scales", scale.t().to(dtype).contiguous())  # (K/G, N)
-        else:
-            self.register_buffer("weight", weight)
-            self.register_buffer("scale", scale.to(torch.float16))  # Q8_0's own precision
+        self.scale_dtype = dtype  # the CPU layouts' scales: the activations'
+        self.layout = "stored"
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
 
-    def rows_last(self):
-        """Regroup the codes as (K/G, G, N), the layout a compiled step reads fastest."""
-        if self.grouped and not self.is_rows_last:
-            self.groups = self.groups.transpose(1, 2).contiguous()
-            self.is_rows_last = True
+    def prepare(self, device, compiled=False):
+        layout = "stored" if device.type != "cpu" else "rows_last" if compiled else "grouped"
+        if layout == self.layout:
+            return
+        if self.layout != "stored":  # back to (N, K) codes, (N, K/G) scales
+            codes = self.groups.permute(2, 0, 1) if self.layout == "rows_last" else self.groups.transpose(0, 1)
+            self.weight, self.scale = codes.reshape(self.out_features, -1), self.group_scales.t().contiguous()
+            del self.groups, self.group_scales
+        if layout != "stored":
+            groups = self.weight.view(self.out_features, -1, self.group).transpose(0, 1)  # (K/G, N, G)
+            self.groups = (groups.transpose(1, 2) if layout == "rows_last" else groups).contiguous()
+            self.group_scales = self.scale.t().to(self.scale_dtype).contiguous()  # (K/G, N)
+            del self.weight, self.scale
+        self.layout = layout
 
-    def forward(self, x, norm=None):  # norm: the RMSNorm before this Linear (model.Linear)
-        if self.is_rows_last and x.numel() == self.in_features:
-            return self.rows_last_one_token(x, norm)
-        x = x if norm is None else norm(x)
-        if x.numel() == self.in_features:  # one token: the codes read as stored
-            if self.grouped:
-                y = self.group_by_group(x.reshape(1, -1))
-            else:
-                y = gemv.int8_group_gemv(x.reshape(-1), self.weight, self.scale).sum(0)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif not self.grouped and matmul.supported(x):  # a few tokens on a GPU: the codes read once
-            y = matmul.few_rows_matmul(x.reshape(-1, self.in_features), self.weight, self.scale)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        elif self.grouped and not self.is_rows_last and x.numel() <= 32 * self.in_features:
-            # a few tokens on a CPU (a speculative verify step): group by group still beats
-            # widening the whole matrix, up to about 64 rows
-            y = self.group_by_group(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*x.shape[:-1], -1)
-        else:  # several (prefill): aten's int8 matmul costs a GEMV a row, one dense matmul does not
-            y = F.linear(x, self.dequantized(x.dtype))
-        return y if self.bias is None else y + self.bias
+    def matmul(self, x):
+        if self.layout == "rows_last" and x.shape[0] == 1:
+            return self.rows_last_one_token(x)
+        if self.layout == "grouped" and x.shape[0] <= 32:
+            # one token, or a few (a speculative verify step): group by group still
+            # beats widening the whole matrix, up to about 64 rows
+            return self.group_by_group(x)
+        # several (prefill): aten's int8 matmul costs a GEMV a row, one dense matmul does not
+        return F.linear(x, self.dequantized(x.dtype))
 
     def dequantized(self, dtype) -> torch.Tensor:
-        if self.grouped:  # codes back to (N, K)
-            codes = self.groups.permute(2, 0, 1) if self.is_rows_last else self.groups.transpose(0, 1)
+        if self.layout != "stored":  # codes back to (N, K)
+            codes = self.groups.permute(2, 0, 1) if self.layout == "rows_last" else self.groups.transpose(0, 1)
             return dequantize_grouped(codes.flatten(1), self.group_scales.t(), dtype)
         return dequantize_grouped(self.weight, self.scale, dtype)
 
-    def rows_last_one_token(self, x, norm=None):
-        """One token x (..., K) times the (K/G, G, N) codes, or times norm(x),
-        as one expression that inductor compiles into a loop reading each code
-        once. The norm's weight goes into x and its 1/rms onto the sums, and x
-        enters as a buffer (as_buffer): inlined, the residual adds and the norm
-        before it ran again for every 32 rows."""
+    def rows_last_one_token(self, x):
+        """One token x (1, K) times the (K/G, G, N) codes, as one expression
+        that inductor compiles into a loop reading each code once. x enters as
+        a buffer (as_buffer): inlined, the residual adds and the norm before
+        it ran again for every 32 rows."""
         n_groups, g, n = self.groups.shape
-        v = x.reshape(-1) if norm is None else x.reshape(-1).float() * norm.weight.float()
+        v = x.reshape(-1)
         if torch.compiler.is_compiling():
             # (as_buffer before any conversion: CPU flex attention, wo's input, takes no fused epilogue)
             partial = (self.groups * as_buffer(v).float().view(n_groups, g, 1)).sum(1)  # (K/G, N)
-            y = (partial * self.group_scales.float()).sum(0)
-        else:  # eager (a compiled model's prefill, for its last position): slices of 1024 rows, whose
-            # temporaries stay in cache (the whole expression at once was ~10x slower)
-            vg = v.float().view(n_groups, 1, g)
-            y = torch.cat([(torch.bmm(vg, self.groups[:, :, i:i + 1024].float()).squeeze(1)
-                            * self.group_scales[:, i:i + 1024].float()).sum(0) for i in range(0, n, 1024)])
-        if norm is not None:
-            y = y * torch.rsqrt(x.float().square().mean() + norm.eps)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+            return (partial * self.group_scales.float()).sum(0)[None]
+        # eager (a compiled model's prefill, for its last position): slices of 1024 rows, whose
+        # temporaries stay in cache (the whole expression at once was ~10x slower)
+        vg = v.float().view(n_groups, 1, g)
+        return torch.cat([(torch.bmm(vg, self.groups[:, :, i:i + 1024].float()).squeeze(1)
+                           * self.group_scales[:, i:i + 1024].float()).sum(0) for i in range(0, n, 1024)])[None]
 
     def group_by_group(self, x):
         """x (M, K) times the (K/G, N, G) codes, summed over the groups in fp32."""
@@ -365,10 +345,11 @@ class GroupedInt8Linear(nn.Module):
         return y
 
 
-class Int4WeightOnlyLinear(nn.Module):
-    """Groupwise int4. Where the Triton GEMV runs (CUDA), the stored codes are
-    kept as they are; on CPUs they are repacked at load for tinygemm's CPU
-    kernel, which wants scales and zeros in one (K/group, N, 2) tensor."""
+class Int4WeightOnlyLinear(WeightFormat):
+    """Groupwise int4. Stored, the codes are what the Triton kernels read
+    (GPUs) and this module widens them for a dense matmul; `prepare` repacks
+    them on CPUs for tinygemm's CPU kernel, which wants scales and zeros in
+    one (K/group, N, 2) tensor (a layout that cannot go back)."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, in_features, dtype,
                  bias=None):
@@ -378,18 +359,24 @@ class Int4WeightOnlyLinear(nn.Module):
         self.in_features, self.out_features = in_features, n
         self.padded = k_padded
         self.groupsize = k_padded // scale.shape[1]
-        # Codes stay as stored on GPUs (the Triton GEMV, or without triton the
-        # dequantized matmul); CPUs repack them for tinygemm.
-        self.keep_codes = gemv.available(packed.device) or packed.device.type == "cuda"
-        if self.keep_codes:
-            self.register_buffer("packed", packed.contiguous())
-            self.register_buffer("scale", scale.to(dtype).contiguous())
-            self.register_buffer("zero", zero.to(dtype).contiguous())
-        else:
-            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed), 1)
-            self.register_buffer("weight", weight)
-            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # (K/g, N, 2)
-            self.register_buffer("scales_and_zeros", sz.to(dtype))
+        self.layout = "stored"
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scale", scale.to(dtype).contiguous())
+        self.register_buffer("zero", zero.to(dtype).contiguous())
+
+    def prepare(self, device, compiled=False):
+        layout = "tinygemm" if device.type == "cpu" else "stored"
+        if layout == self.layout:
+            return
+        if self.layout == "tinygemm":
+            raise ValueError("int4 weights laid out for the CPU cannot move to another device: "
+                             "build the model on the device it runs on")
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.packed), 1)
+        sz = torch.stack([self.scale, self.zero], dim=-1).transpose(0, 1).contiguous()  # (K/g, N, 2)
+        del self.packed, self.scale, self.zero
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales_and_zeros", sz)
+        self.layout = layout
 
     def dense_weight(self, dtype):
         """The (N, K) weights in `dtype`, for prefill (inductor fuses this into one kernel)."""
@@ -397,28 +384,12 @@ class Int4WeightOnlyLinear(nn.Module):
         w = (codes.to(dtype) - 8) * self.scale[..., None] + self.zero[..., None]
         return w.reshape(self.out_features, -1)[:, :self.in_features]
 
-    def forward(self, x, norm=None):  # norm: the RMSNorm before this Linear (model.Linear)
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        one_token = self.keep_codes and x.shape[0] == 1 and gemv.available(x.device)
-        if norm is not None and not (one_token and self.padded == self.in_features):
-            x, norm = norm(x), None  # else the GEMV applies it (gemv.pack_x)
-        if one_token:
-            if self.padded != self.in_features:
-                x = F.pad(x, (0, self.padded - self.in_features))
-            y = gemv.int4_gemv(x.reshape(-1), self.packed, self.scale, self.zero, norm).sum(0).to(x.dtype)
-        elif self.keep_codes and matmul.supported(x):  # a few tokens on a GPU: the codes read once
-            x = F.pad(x, (0, self.padded - self.in_features)) if self.padded != self.in_features else x
-            y = matmul.few_rows_matmul(x, self.packed, self.scale, self.zero).to(x.dtype)
-        elif self.keep_codes:
-            y = F.linear(x, self.dense_weight(x.dtype))
-        else:
-            if self.padded != self.in_features:
-                x = F.pad(x, (0, self.padded - self.in_features))
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.groupsize,
-                                                           self.scales_and_zeros)
-        y = y.reshape(*shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def matmul(self, x):
+        if self.layout == "stored":
+            return F.linear(x, self.dense_weight(x.dtype))
+        if self.padded != self.in_features:
+            x = F.pad(x, (0, self.padded - self.in_features))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.groupsize, self.scales_and_zeros)
 
 
 class Int8Embedding(nn.Module):
@@ -435,26 +406,37 @@ class Int8Embedding(nn.Module):
         return rows.to(self.dtype)
 
 
-def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> nn.Module:
-    if "int8" in parts and parts["scale"].dim() == 2:
+def int8_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> WeightFormat:
+    if parts["scale"].dim() == 2:  # a scale per group of inputs (GGUF Q8_0)
         return GroupedInt8Linear(parts["int8"], parts["scale"], bias, dtype)
-    if "int8" in parts or "fp8" in parts:
-        weight = parts["int8"] if "int8" in parts else parts["fp8"]
-        return ScaledWeightOnlyLinear(weight, parts["scale"], dtype, bias)
-    return Int4WeightOnlyLinear(parts["int4"], parts["scale"].float(), parts["zero"].float(),
-                                in_features, dtype, bias)
+    return ScaledWeightOnlyLinear(parts["int8"], parts["scale"], dtype, bias)
 
 
-def check_entries(name: str, parts: dict, shape: tuple) -> str | None:
-    """Why the quantized parts for `name` do not fit a (N, K) weight, or None."""
-    n, k = shape
-    if "int8" in parts or "fp8" in parts:
-        q, scale = parts["int8"] if "int8" in parts else parts["fp8"], parts["scale"]
-        per_group = ("int8" in parts and scale.dim() == 2 and scale.shape[0] == n and k % scale.shape[1] == 0
-                     and k // scale.shape[1] in GROUP_SIZES)  # GGUF Q8_0, the embedding
-        ok = q.shape == (n, k) and (scale.shape == (n,) or per_group)
-    else:
-        q, s, z = parts["int4"], parts["scale"], parts["zero"]
-        ok = (q.dim() == 2 and q.shape[0] == n and 2 * q.shape[1] >= k and s.shape == z.shape
-              and s.dim() == 2 and s.shape[0] == n and (2 * q.shape[1]) % s.shape[1] == 0)
-    return None if ok else f"quantized tensor {name!r} does not fit shape {shape}"
+def int8_fits(parts: dict, shape: tuple) -> bool:
+    (n, k), q, scale = shape, parts["int8"], parts["scale"]
+    per_group = (scale.dim() == 2 and scale.shape[0] == n and k % scale.shape[1] == 0
+                 and k // scale.shape[1] in GROUP_SIZES)  # GGUF Q8_0, the embedding
+    return q.shape == (n, k) and (scale.shape == (n,) or per_group)
+
+
+def int4_fits(parts: dict, shape: tuple) -> bool:
+    (n, k), q, s, z = shape, parts["int4"], parts["scale"], parts["zero"]
+    return (q.dim() == 2 and q.shape[0] == n and 2 * q.shape[1] >= k and s.shape == z.shape
+            and s.dim() == 2 and s.shape[0] == n and (2 * q.shape[1]) % s.shape[1] == 0)
+
+
+FORMATS["int8"] = Format(("int8", "scale"), int8_linear, int8_fits,
+                         embedding=lambda p, dtype: Int8Embedding(p["int8"], p["scale"], dtype))
+FORMATS["fp8"] = Format(("fp8", "scale"), lambda p, k, dtype, bias: ScaledWeightOnlyLinear(p["fp8"], p["scale"],
+                                                                                           dtype, bias),
+                        lambda p, shape: p["fp8"].shape == shape and p["scale"].shape == shape[:1])
+FORMATS["int4"] = Format(("int4", "scale", "zero"),
+                         lambda p, k, dtype, bias: Int4WeightOnlyLinear(p["int4"], p["scale"].float(),
+                                                                        p["zero"].float(), k, dtype, bias),
+                         int4_fits)
+
+
+def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> WeightFormat:
+    """The module for one weight's quantized parts (as build_model makes it)."""
+    kind = next(k for k in FORMATS if k in parts)
+    return FORMATS[kind].linear(parts, in_features, dtype, bias)

@@ -38,7 +38,7 @@ class NgramDrafter:
     def __init__(self, max_n: int = 3):
         self.max_n = max_n
 
-    def propose(self, history: list[int], k: int, params: SamplingParams):
+    def propose(self, history: list[int], k: int, params: SamplingParams, run=None):
         """Up to k tokens following history, and None (the proposal is one-hot)."""
         for n in range(min(self.max_n, len(history) - 1), 0, -1):
             tail = history[-n:]
@@ -64,11 +64,11 @@ class ModelDrafter:
         self.model, self.depth = model, depth
         self.shares_cache = depth is not None
         self.cached: list[int] = []
-        self.device = model.norm.weight.device
 
-    def propose(self, history: list[int], k: int, params: SamplingParams):
+    def propose(self, history: list[int], k: int, params: SamplingParams, run):
         """k tokens after history (its last token not yet in any cache), and
-        their proposal distributions (k, V) when sampling (None when greedy)."""
+        their proposal distributions (k, V) when sampling (None when greedy).
+        run: Generator.logits, which replays the steps from CUDA graphs."""
         start = 0
         if self.shares_cache:
             start = len(history) - 1
@@ -76,18 +76,15 @@ class ModelDrafter:
             limit = min(len(self.cached), len(history) - 1)
             while start < limit and self.cached[start] == history[start]:
                 start += 1
-        feed = torch.tensor([history[start:]], device=self.device)
+        feed = history[start:]
         drafts, probs = [], []
         for _ in range(k):
-            pos = torch.arange(start, start + feed.shape[1], device=self.device)
-            logits = self.model(feed, pos, last=torch.tensor([feed.shape[1] - 1], device=self.device),
-                                kv_len=start + feed.shape[1], depth=self.depth)[:, -1]
+            logits = run(feed, start, model=self.model, last=len(feed) - 1, depth=self.depth)[:, -1]
             if not params.greedy:
                 probs.append(logits_to_probs(logits, params)[0])
-            token = sample(logits, params)
-            drafts.append(int(token))
-            start += feed.shape[1]
-            feed = token.view(1, 1)
+            drafts.append(int(sample(logits, params)))
+            start += len(feed)
+            feed = drafts[-1:]
         self.cached = [*history, *drafts[:-1]]  # (the last draft's keys were never written)
         return drafts, (torch.stack(probs) if probs else None)
 

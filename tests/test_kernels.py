@@ -65,6 +65,7 @@ print("worst relative error", worst)
 
 MODEL_CHILD = r"""
 import torch
+from brisklm.fusion import FusedLinear, fuse_for_decode
 from brisklm.kernels import matmul
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.quantize import dequantize, quantize_state_dict, quantized_entries
@@ -85,11 +86,11 @@ for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
                 dense[base] = dequantize(quantized_entries(qstate, base)).to(dtype)
             elif suffix not in ("scale", "zero"):
                 dense[name] = t
-        a, b = build_model(qargs, qstate), build_model(qargs, dense)
-        assert any(getattr(m, "keep_codes", False) or type(m).__name__ == "ScaledWeightOnlyLinear"
-                   for m in a.modules())
+        a, b = fuse_for_decode(build_model(qargs, qstate)), build_model(qargs, dense)
+        assert isinstance(a.layers[0].attention.wqkv, FusedLinear) and a.decode_kernels
         for m in (a, b):
             m.setup_caches(1, 16)
+            m.prepare()
         calls.clear()
         with torch.no_grad():
             ids = torch.tensor([[1, 5, 9, 3]])
@@ -220,16 +221,16 @@ print("attention ok")
 
 MODEL_ATTENTION_CHILD = r"""
 import torch
-from brisklm.kernels import attention
+from brisklm.fusion import FusedAttention, fuse_for_decode
 from brisklm.model import ModelArgs, build_model, random_state_dict
-args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)
-model = build_model(args, random_state_dict(args, torch.float32, std=0.1))
-kernel_supported = attention.supported
+args = ModelArgs(vocab_size=61, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)  # head_dim 32: the kernel's smallest
+state = random_state_dict(args, torch.float32, std=0.1)
+fused, plain = fuse_for_decode(build_model(args, state)), build_model(args, state)
+assert isinstance(fused.layers[1].attention, FusedAttention) and not plain.decode_kernels
 for kv_int8 in (False, True):
     outputs = []
-    for use_kernel in (True, False):
-        attention.supported = kernel_supported if use_kernel else (lambda *a: False)
+    for model in (fused, plain):
         model.setup_caches(1, 300, kv_int8)  # two slices
         with torch.no_grad():
             logits = [model(torch.tensor([[1, 5, 9, 3, 7]]), torch.arange(5))]
@@ -494,6 +495,7 @@ print("represented ok")
 
 NORM_CHILD = r"""
 import torch
+from brisklm.fusion import fuse_for_decode
 from brisklm.kernels import gemv
 from brisklm.model import ModelArgs, RMSNorm, build_model, random_state_dict
 from brisklm.quantize import dequantize, quantize_int4, quantize_state_dict, quantized_entries
@@ -559,8 +561,8 @@ for n, t in qstate.items():
         dense[base] = dequantize(quantized_entries(qstate, base)).to(torch.bfloat16)
     elif suffix not in ("scale", "zero"):
         dense[n] = t
-models = [build_model(qargs, qstate), build_model(qargs, dense)]
-assert any(getattr(m, "keep_codes", False) for m in models[0].modules())
+models = [fuse_for_decode(build_model(qargs, qstate)), build_model(qargs, dense)]
+assert models[0].layers[0].attention.wqkv.norm is not None  # the norm moved into the Linear after it
 for m in models:
     m.setup_caches(1, 16)
 with torch.no_grad():

@@ -8,6 +8,7 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "brisklm")
 
 CORE = {"model", "generate", "sampling", "speculative", "quantize", "gptq", "precompile", "modes", "errors"}
+FUSION = {"fusion"}  # the GPU kernels applied to a built model: above the core, below the front ends
 FRONT = {"api", "cli", "bench", "chat", "evaluate", "tokenizer", "presets", "__init__", "__main__"}
 
 
@@ -49,10 +50,10 @@ def graph() -> dict[str, set[str]]:
 
 def test_every_module_is_placed_in_a_layer():
     g = graph()
-    assert {"kernels.gemv", "kernels.matmul", "modes"} <= g["quantize"]  # (the reading sees imports)
-    assert "checkpoints.native" in g["cli"] and "quantize" in g["model"]  # (lazy ones too)
+    assert {"kernels.gemv", "kernels.matmul", "model", "quantize"} <= g["fusion"]  # (the reading sees imports)
+    assert "checkpoints.native" in g["cli"] and "fusion" in g["api"]  # (lazy ones too)
     top = {m.split(".")[0] for m in g}
-    assert top <= CORE | FRONT | {"kernels", "checkpoints"}, top - CORE - FRONT
+    assert top <= CORE | FUSION | FRONT | {"kernels", "checkpoints"}, top - CORE - FUSION - FRONT
 
 
 def test_the_kernels_import_nothing_of_ours_but_each_other():
@@ -61,11 +62,15 @@ def test_the_kernels_import_nothing_of_ours_but_each_other():
             assert all(d.startswith("kernels") for d in deps), (name, deps)
 
 
-def test_the_core_never_imports_formats_or_front_ends():
+def test_the_core_never_imports_kernels_formats_or_front_ends():
     for name, deps in graph().items():
         if name in CORE:
-            bad = {d for d in deps if d.split(".")[0] in FRONT | {"checkpoints"}}
+            bad = {d for d in deps if d.split(".")[0] in FRONT | FUSION | {"checkpoints", "kernels"}}
             assert not bad, (name, bad)
+
+
+def test_the_model_knows_the_quantized_formats_only_through_their_registry():
+    assert not graph()["model"] & {"quantize", "gptq", "modes"}
 
 
 def test_the_checkpoint_readers_do_not_import_the_front_ends():

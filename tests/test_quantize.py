@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from brisklm.checkpoints import load
 from brisklm.checkpoints.native import save_native
 from brisklm.evaluate import default_text, perplexity_and_kl
-from brisklm.model import ModelArgs, RMSNorm, build_model, random_state_dict
+from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.quantize import (dequantize, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
                               quantize_state_dict, quantized_entries, quantized_linear,
                               unpack_int4)
@@ -36,25 +36,25 @@ def test_quantized_linear_computes_with_the_dequantized_weight(mode, groupsize, 
         assert ((dequantize(parts) - w).abs() <= step / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("m", [1, 5])  # one token: group by group through aten's int8 matmul; several: dense
-def test_grouped_int8_linear_computes_with_the_dequantized_weight(m):
+@pytest.mark.parametrize("m", [1, 5, 40])  # one token, a few (group by group on a CPU), many (dense)
+def test_grouped_int8_linear_computes_with_the_dequantized_weight_in_every_layout(m):
     torch.manual_seed(0)
     w = torch.randn(96, 256)
     parts = quantize_int8(w, 32)
     layer = quantized_linear(parts, 256, torch.float32)
-    assert layer.grouped  # no Triton on the CPU: the regrouped layout
     x = torch.randn(1, m, 256)
     expected = F.linear(x, dequantize(parts))
-    assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4)
     step = w.reshape(96, 8, 32).abs().amax(-1, keepdim=True) / 127
     assert ((dequantize(parts) - w).reshape(96, 8, 32).abs() <= step / 2 + 1e-6).all()
-    layer.rows_last()  # the layout a compiled step on a CPU reads
-    assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4)
-    assert torch.equal(layer.dequantized(torch.float32), dequantize(parts))
-    norm = RMSNorm(256, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(256) + 0.5)
-    assert torch.allclose(layer(x, norm), F.linear(norm(x), dequantize(parts)), rtol=1e-5, atol=1e-4)
+    # as stored (what the GPU kernels read), regrouped for a CPU, rows-last for a
+    # compiled CPU step, and back to stored (a model moved to a GPU)
+    for device, compiled, layout in (("cuda", False, "stored"), ("cpu", False, "grouped"),
+                                     ("cpu", True, "rows_last"), ("cuda", False, "stored")):
+        layer.prepare(torch.device(device), compiled)
+        assert layer.layout == layout
+        assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4), layout
+        assert torch.equal(layer.dequantized(torch.float32), dequantize(parts)), layout
+    assert torch.equal(layer.weight, parts["int8"]) and torch.equal(layer.scale, parts["scale"])
 
 
 def test_grouped_int8_rows_last_one_token_runs_in_slices_of_rows():
@@ -63,9 +63,25 @@ def test_grouped_int8_rows_last_one_token_runs_in_slices_of_rows():
     torch.manual_seed(0)
     parts = quantize_int8(torch.randn(2100, 64), 32)
     layer = quantized_linear(parts, 64, torch.float32)
-    layer.rows_last()
+    layer.prepare(torch.device("cpu"), compiled=True)
     x = torch.randn(1, 1, 64)
     assert torch.allclose(layer(x), F.linear(x, dequantize(parts)), rtol=1e-5, atol=1e-4)
+
+
+def test_int4_linear_computes_as_stored_and_repacked_for_the_cpu():
+    """Stored codes (what the GPU kernels read) widened densely, and the CPU's
+    tinygemm layout, give the same products; that layout cannot go back."""
+    torch.manual_seed(0)
+    parts = quantize_int4(torch.randn(64, 200), 32)  # K padded to 224
+    layer = quantized_linear(parts, 200, torch.float32)
+    x = torch.randn(3, 200)
+    expected = F.linear(x, dequantize(parts)[:, :200])
+    assert torch.allclose(layer(x), expected, rtol=1e-4, atol=1e-4)
+    layer.prepare(torch.device("cpu"))
+    assert layer.layout == "tinygemm"
+    assert torch.allclose(layer(x), expected, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="cannot move"):
+        layer.prepare(torch.device("cuda"))
 
 
 def test_int4_error_is_within_half_a_step_of_each_group():
@@ -227,11 +243,12 @@ def test_tied_q8_0_codes_count_whole_for_the_output_layer(smollm2_gguf, monkeypa
     share their codes: a decode step reads them whole (the output), not one row."""
     from brisklm.generate import weight_bytes_per_token
     from brisklm.kernels import gemv
+    from brisklm.fusion import fuse_for_decode
     monkeypatch.setattr(gemv, "available", lambda device: True)
     kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks="all")
-    model = build_model(kept.args, kept.state_dict)
+    model = fuse_for_decode(build_model(kept.args, kept.state_dict))
     q = kept.state_dict["output.weight_int8"]
-    assert q is kept.state_dict["tok_embeddings.weight_int8"] and model.output.weight is q
+    assert q is kept.state_dict["tok_embeddings.weight_int8"] and model.output.inner.weight is q
     codes = q.numel() + kept.state_dict["output.weight_scale"].numel() * 2  # fp16 scales in the module
     layers = sum(t.numel() * t.element_size() for n, t in model.named_buffers()
                  if n.startswith("layers.") and "kv_cache" not in n)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from brisklm.generate import Generator
+from brisklm.generate import Generator, forward
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams, logits_to_probs
 from brisklm.speculative import ModelDrafter, NgramDrafter
@@ -47,6 +47,22 @@ def test_greedy_speculative_output_is_the_plain_greedy_output(kind, k):
         assert spec.stats.new_tokens == 40 and spec.stats.target_steps <= 39
     if kind != "model":  # drafts that the target accepts: fewer target forwards than tokens
         assert steps < 3 * 39, steps
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self", "model"])
+def test_padded_verify_and_draft_steps_give_the_plain_greedy_output(kind):
+    """The padding a CUDA graph's verify and draft steps use (Generator.logits),
+    run here without a graph: each step's padding writes keys past its tokens,
+    which later steps overwrite before reading; a draft model's cache too."""
+    plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128)
+    rows = []  # (on CUDA both are replayed)
+    spec.graphed_forward = lambda model, idx, *a, **k: rows.append(idx.shape[1]) or forward(model, idx, *a, **k)
+    spec.graphed_prefill = spec._prefill
+    drafter = drafters(spec.model, kind)
+    for prompt in PROMPTS:
+        want = list(plain.tokens(prompt, 40, GREEDY))
+        assert list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=5)) == want, (kind, prompt)
+    assert 16 in rows and set(rows) <= {1, 16}, set(rows)  # verify steps padded to 16 rows, drafts 1
 
 
 def test_a_stop_token_inside_an_accepted_run_ends_the_output_there():

@@ -1,0 +1,73 @@
+"""What a speculative verify step costs against one decode step (the curve that
+decides whether speculation pays), on a preset with random weights.
+
+    PYTHONPATH=. python3 benchmarks/verify_cost.py [--preset llama-3.1-8b] [--quantize int4] [--start 512]
+
+For K = 1..8 drafts: the target forward over K + 1 tokens at position
+--start as speculative decoding runs it (Generator.logits: padded to a
+bucket and replayed from a CUDA graph on CUDA), timed with CUDA events over
+--reps replays, divided by one decode step of the same model (the default
+path: compiled, from a CUDA graph), timed over 128 greedy tokens.
+Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import brisklm
+from brisklm.sampling import SamplingParams
+
+
+def timed(fn, reps: int) -> float:
+    """Median milliseconds of fn() over reps runs, after two warm-ups."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--quantize", default=None)
+    ap.add_argument("--groupsize", type=int, default=128)
+    ap.add_argument("--start", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=30)
+    opts = ap.parse_args()
+    llm = brisklm.load(preset=opts.preset, device="cuda", quantize=opts.quantize, groupsize=opts.groupsize,
+                       max_seq_length=4096, quiet=False)
+    gen = llm.generator
+    prompt = torch.randint(0, llm.model.args.vocab_size, (opts.start,), generator=torch.Generator().manual_seed(0))
+    ids = prompt.tolist()
+    rates = []
+    for _ in range(3):
+        gen.reset()
+        list(gen.tokens(ids, 128, SamplingParams()))
+        rates.append(gen.stats.decode_tokens_per_s)
+    step_ms = 1e3 / statistics.median(rates)
+    rows = []
+    for k in range(1, 9):
+        tokens = ids[:k + 1]
+        ms = timed(lambda: gen.logits(tokens, opts.start), opts.reps)
+        rows.append((k, ms, ms / step_ms))
+        print(f"K={k}: {ms:.2f} ms, {ms / step_ms:.2f} decode steps", flush=True)
+    mode = opts.quantize or "bf16"
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {opts.preset} {mode}, "
+          f"position {opts.start}; decode step {step_ms:.2f} ms (compiled, graphed)")
+    print("| drafts K | verify over K+1 tokens, ms | / decode step |\n| --- | --- | --- |")
+    for k, ms, ratio in rows:
+        print(f"| {k} | {ms:.2f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

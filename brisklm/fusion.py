@@ -1,0 +1,136 @@
+"""The GPU decode path as one transform of a built model: `fuse_for_decode`.
+
+model.py is the plain forward (norm, then Linear; attention over the cache
+with PyTorch ops). On NVIDIA GPUs this pass swaps in our Triton kernels, the
+only place a kernel route is chosen:
+
+- every Linear becomes a FusedLinear: one token goes through a batch-1 GEMV
+  (kernels/gemv.py) that reads the weight in its stored format, 2..FEW_ROWS
+  tokens of a quantized weight through kernels/matmul.py, and anything else
+  through the format's own forward;
+- the RMSNorm before wqkv, w13 and the output layer moves into that Linear
+  (the model's norm becomes a pass-through), where the bf16 and int4 GEMVs
+  apply it inside the kernel (no kernel between two GEMVs that reduces over
+  all of x); the other routes apply it first;
+- Attention becomes FusedAttention: one token's RoPE, cache write and
+  attention in one kernel (kernels/attention.py) that reads the filled
+  length on the device, so a decode step needs no host value and replays
+  from a CUDA graph uncompiled.
+
+On other devices (CPUs, AMD, Apple) it changes nothing: the kernels use
+NVIDIA's PTX. `brisk ... --no_fused_kernels` (load(fused_kernels=False))
+skips it, to compare.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .kernels import attention as attention_kernel
+from .kernels import gemv, matmul
+from .model import Attention, Linear, RMSNorm, Transformer, WeightFormat
+from .quantize import GroupedInt8Linear, Int4WeightOnlyLinear, ScaledWeightOnlyLinear
+
+
+class Folded(nn.Module):
+    """Where an RMSNorm was: it now lives in the Linear after it (FusedLinear.norm)."""
+
+    def forward(self, x):
+        return x
+
+
+class FusedLinear(WeightFormat):
+    """A weight format (`inner`, in its stored layout) with the kernels'
+    routes in front, and the RMSNorm before it (`norm`), if any."""
+
+    def __init__(self, inner: WeightFormat, norm: RMSNorm | None = None):
+        super().__init__()
+        self.inner, self.norm = inner, norm
+        self.in_features, self.out_features, self.bias = inner.in_features, inner.out_features, inner.bias
+        if isinstance(inner, GroupedInt8Linear):
+            inner.scale = inner.scale.half()  # the kernels read Q8_0's own precision
+
+    def forward(self, x):
+        shape, rows = x.shape, x.numel() // self.in_features
+        y = self.one_token(x.reshape(-1)) if rows == 1 else None
+        if y is None:
+            x = x if self.norm is None else self.norm(x)
+            y = self.few_rows(x.reshape(-1, self.in_features)) if matmul.supported(x) else None
+            if y is None:
+                return self.inner(x)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def one_token(self, x):
+        """(N,) for one token through a GEMV (the norm applied), or None where none serves."""
+        w, norm = self.inner, self.norm
+        if not gemv.available(x.device):
+            return None
+        if isinstance(w, Linear):  # only where ours measured faster than cuBLAS
+            if not (x.is_cuda and gemv.beats_dense(self.out_features, self.in_features)):
+                return None
+            return gemv.scaled_gemv(x, w.weight, norm).sum(0)
+        if isinstance(w, Int4WeightOnlyLinear):
+            if w.padded != w.in_features:  # (the norm cannot fold into a padded x)
+                x = F.pad(x if norm is None else norm(x), (0, w.padded - w.in_features))
+                norm = None
+            return gemv.int4_gemv(x, w.packed, w.scale, w.zero, norm).sum(0)
+        x = x if norm is None else norm(x)  # (int8, fp8, Q8_0 measured no gain from the fold)
+        if isinstance(w, ScaledWeightOnlyLinear):
+            return gemv.scaled_gemv(x, w.weight).sum(0) * w.scale.float()
+        if isinstance(w, GroupedInt8Linear):
+            return gemv.int8_group_gemv(x, w.weight, w.scale).sum(0)
+        return None
+
+    def few_rows(self, x):
+        """(M, N) for a few tokens of quantized codes, read once on the tensor cores; or None."""
+        w = self.inner
+        if isinstance(w, ScaledWeightOnlyLinear):
+            return matmul.few_rows_matmul(x, w.weight) * w.scale.float()
+        if isinstance(w, GroupedInt8Linear):
+            return matmul.few_rows_matmul(x, w.weight, w.scale)
+        if isinstance(w, Int4WeightOnlyLinear):
+            x = F.pad(x, (0, w.padded - w.in_features)) if w.padded != w.in_features else x
+            return matmul.few_rows_matmul(x, w.packed, w.scale, w.zero)
+        return None
+
+    def prepare(self, device, compiled=False):
+        """Nothing: the kernels read `inner` as stored."""
+
+
+class FusedAttention(Attention):
+    """Attention whose one-token step (batch 1) is one Triton kernel: RoPE on
+    its query and key, its key and value stored at input_pos, attention over
+    positions 0..input_pos (the last `window` of them)."""
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        if x.shape[:2] != (1, 1):
+            return super().forward(x, cos, sin, mask, input_pos)
+        cache = self.kv_cache
+        scales = (cache.k_scale, cache.v_scale) if cache.k.dtype == torch.int8 else (None, None)
+        y = attention_kernel.decode_attention(self.wqkv(x).reshape(-1), cos.reshape(-1), sin.reshape(-1),
+                                              cache.k, cache.v, input_pos, *scales, window=self.window)
+        return self.wo(y)
+
+
+def fuse_for_decode(model: Transformer) -> Transformer:
+    """Swap in the Triton decode kernels where they run (see the module's
+    docstring); elsewhere, or once done, return the model unchanged. Call it
+    before `model.prepare`: the kernels read the weights as stored."""
+    device = model.device
+    if model.decode_kernels or not gemv.available(device):
+        return model
+    fused_attention = attention_kernel.supported(device, 1, 1, model.args.head_dim)
+    for layer in model.layers:
+        attn, ffn = layer.attention, layer.feed_forward
+        attn.wqkv, layer.attention_norm = FusedLinear(attn.wqkv, layer.attention_norm), Folded()
+        attn.wo = FusedLinear(attn.wo)
+        ffn.w13, layer.ffn_norm = FusedLinear(ffn.w13, layer.ffn_norm), Folded()
+        ffn.w2 = FusedLinear(ffn.w2)
+        if fused_attention:
+            attn.__class__ = FusedAttention  # same state, the kernel's forward in front
+    model.output, model.norm = FusedLinear(model.output, model.norm), Folded()
+    # (the tuned blocks are constants of a traced step: precompile keys on them)
+    model.decode_kernels = {"attention": fused_attention, "gemv": gemv.tuned()}
+    return model
