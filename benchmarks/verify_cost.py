@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     opts = ap.parse_args()
     llm = brisklm.load(preset=opts.preset, device="cuda", quantize=opts.quantize, groupsize=opts.groupsize,
-                       max_seq_length=4096, quiet=False)
+                       quiet=False)  # (the cache brisk generate makes: its compiled step is shared)
     gen = llm.generator
     prompt = torch.randint(0, llm.model.args.vocab_size, (opts.start,), generator=torch.Generator().manual_seed(0))
     ids = prompt.tolist()
