@@ -365,6 +365,24 @@ class LLM:
             mark_compiled(gen.compile_path)
         return time.perf_counter() - t0
 
+    def score(self, ids: list[int], top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """log p(ids[i] | ids[:i]) for i = 1.., from one forward over ids, and
+        at each of those positions the `top` most likely tokens with their
+        log-probabilities (an evaluation's log-likelihoods; the server's logprobs)."""
+        gen = self.generator
+        if not 1 <= len(ids) <= gen.max_seq_length:
+            raise BriskError(f"{len(ids)} tokens to score; the KV cache holds 1..{gen.max_seq_length}")
+        gen.reset()  # (the forward writes the cache from position 0)
+        x = torch.tensor([ids], device=gen.device)
+        with torch.no_grad():
+            logits = self.model(x, torch.arange(len(ids), device=gen.device), kv_len=len(ids))[0, :-1]
+        logp = logits.float().log_softmax(-1)
+        chosen = logp.gather(1, x[0, 1:, None])[:, 0].tolist()
+        if not top:
+            return chosen, [[] for _ in chosen]
+        values, indices = logp.topk(top, dim=-1)
+        return chosen, [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+
     def stream(self, prompt: str, max_new_tokens: int = 256, stop: list[str] | str | None = None,
                **sampling) -> Iterator[str]:
         """Yield the continuation's text as it is produced (never broken UTF-8).

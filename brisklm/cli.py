@@ -135,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--reference", action="store_true",
                    help="also run the unquantized model and report mean KL divergence against it")
 
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
+    _model_flags(s)
+    _speculate_flags(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api_key", "--api-key", dest="api_key", default=None,
+                   help="require Authorization: Bearer KEY on every endpoint but /health (or BRISK_API_KEY)")
+    s.add_argument("--queue", type=int, default=16, help="requests that may wait while one generates; then 429")
+    s.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint's name)")
+
     d = sub.add_parser("download", help="fetch a Hugging Face repo (or, with no id, the default model)")
     d.add_argument("repo_id", nargs="?", default=None)
     d.add_argument("--revision", default=None)
@@ -400,9 +410,26 @@ def cmd_bench(args):
     main(args)
 
 
+def cmd_serve(args):
+    import os
+    try:
+        from .server import serve
+    except ImportError as e:
+        raise BriskError(f"brisk serve needs the server extra ({e.name} is missing): "
+                         "pip install -e '.[server]'") from None
+    if args.queue < 0:
+        raise BriskError(f"--queue must be >= 0, got {args.queue}")
+    llm = _load(args)
+    if llm.tokenizer is None:
+        raise BriskError(f"{llm.name}: no tokenizer, nothing to serve (give a checkpoint with tokenizer files)")
+    name = args.model_name or os.path.basename(str(llm.name).rstrip("/")) or "model"
+    llm.warm_up(llm.require_tokenizer().encode("Hello"), quiet=False)
+    serve(llm, args.host, args.port, name, args.api_key, args.queue)
+
+
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,
             "download": cmd_download, "bench": cmd_bench, "quantize": cmd_quantize,
-            "eval": cmd_eval}
+            "eval": cmd_eval, "serve": cmd_serve}
 
 
 def main(argv=None) -> int:
