@@ -495,7 +495,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     draft_checkpoint_path, by default this one, loaded with draft_quantize, e.g.
     the model itself in int4); each target forward then checks up to draft_tokens drafts, and
     the output is what plain decoding gives (greedy: token for token). Its
-    steps run uncompiled for now, so it pays on CPUs, not yet on GPUs.
+    steps run uncompiled; on CUDA the verify and draft steps are replayed
+    from CUDA graphs (Generator.logits).
 
     fused_kernels=False leaves out our Triton kernels on NVIDIA GPUs
     (fusion.fuse_for_decode): every step in PyTorch ops, to compare."""

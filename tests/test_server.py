@@ -31,10 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(gguf: str, *flags: str):
+def start(gguf: str, *flags: str, base=("--dtype", "float32", "--quantize", "none", "--max_seq_length", "1024")):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "brisklm", "serve", "--checkpoint_path", gguf, "--port", str(port),
-                             "--dtype", "float32", "--quantize", "none", "--max_seq_length", "1024", *flags],
+                             *base, *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
