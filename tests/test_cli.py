@@ -165,3 +165,12 @@ def test_eval_with_an_unreadable_text_fails_before_loading(smollm2_gguf, tmp_pat
 def json_load(path):
     import json
     return json.loads(path.read_text())
+
+
+def test_serve_without_the_server_extra_says_how_to_get_it(monkeypatch, capsys):
+    from brisklm import cli
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "brisklm.server", raising=False)
+    assert cli.main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install -e '.[server]'" in err and "fastapi" in err
