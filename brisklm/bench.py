@@ -112,6 +112,47 @@ def prefill_figures(llm, tokens, reps=3):
             "tflops": prefill_flops(llm.model.args, tokens) / seconds / 1e12}
 
 
+def speculative_prompt(llm) -> tuple[list[int], str]:
+    """(ids, what they are) for speculative figures: a model with a tokenizer
+    is asked to repeat a fixed text (input-grounded: prompt lookup finds its
+    drafts there); random weights get random ids, where drafts are mostly
+    rejected (what speculation costs when it misses)."""
+    if llm.tokenizer is None:
+        return _prompt(64, llm.model.args.vocab_size, seed=1), "random ids (drafts mostly rejected)"
+    from .evaluate import default_text
+    request = "Repeat the following text exactly:\n\n" + default_text(1200)
+    if llm.tokenizer.chat_template:
+        return llm.chat_ids([{"role": "user", "content": request}]), "repeat a 1200-character text (chat)"
+    return llm.tokenizer.encode(request + "\n\nThe text again:\n\n"), "repeat a 1200-character text"
+
+
+def speculative_figures(llm, kind: str, draft_tokens: int, draft_layers, new_tokens: int, samples: int) -> dict:
+    """Greedy tokens/s with and without speculative decoding (`kind`), in this
+    process, the acceptance (tokens per target step), and whether both
+    outputs are the same tokens (they must be)."""
+    from .api import drafter, log
+    from .sampling import SamplingParams
+    ids, what = speculative_prompt(llm)
+    if not llm.fits(ids, new_tokens):
+        log(f"  skipped: the {len(ids)}-token prompt and {new_tokens} new tokens exceed the KV cache")
+        return None
+    gen, spec = llm.generator, drafter(llm.model, kind, draft_tokens, draft_layers)
+    out = {"kind": kind, "draft_tokens": draft_tokens, "prompt": what, "prompt_tokens": len(ids)}
+    for name, d in (("plain", None), ("speculative", spec)):
+        rates, steps, tokens = [], [], None
+        for run in range(samples + 1):  # (the first run warms up)
+            gen.reset()
+            tokens = list(gen.tokens(ids, new_tokens, SamplingParams(), (), None, d, draft_tokens))
+            if run:
+                rates.append(gen.stats.decode_tokens_per_s)
+                steps.append(gen.stats.tokens_per_step)
+        out[name] = {"tokens_per_s": statistics.median(rates), "tokens_per_step": statistics.median(steps),
+                     "tokens": tokens}
+    out["same_tokens"] = out["plain"].pop("tokens") == out["speculative"].pop("tokens")
+    out["speedup"] = out["speculative"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+    return out
+
+
 def startup_figures(argv: list[str]):
     """Cold compile (empty compiler cache) and warm start, each in a fresh process."""
     cmd = [sys.executable, "-m", "brisklm", "generate", *argv, "--compile", "--max_new_tokens", "8"]
@@ -260,6 +301,10 @@ def run(opts) -> dict:
                                              ceiling, dtype) for n in context]
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    if getattr(opts, "speculate", None):
+        log(f"Speculative decoding ({opts.speculate}, {opts.draft_tokens} drafts a step) against plain, greedy...")
+        result["speculative"] = speculative_figures(llm, opts.speculate, opts.draft_tokens, opts.draft_layers,
+                                                    opts.new_tokens, max(1, opts.samples // 2))
     if opts.startup:
         log("Start-up: cold and warm compile in fresh processes...")
         src = ["--preset", opts.preset] if opts.preset else (
@@ -304,6 +349,13 @@ def markdown(r: dict) -> str:
         if isinstance(s, dict):
             lines.append(f"| {name} start: load / compile / whole process | {s['load_s']:.1f} s / "
                          f"{s['compile_s']:.1f} s / {s['process_s']:.1f} s |")
+    if r.get("speculative"):
+        sp = r["speculative"]
+        lines.append(f"| speculative {sp['kind']}, K={sp['draft_tokens']}, {sp['prompt']} ({sp['prompt_tokens']} "
+                     f"tokens): tokens/s plain / speculative (tokens per target step) | "
+                     f"{sp['plain']['tokens_per_s']:.1f} / {sp['speculative']['tokens_per_s']:.1f} "
+                     f"({sp['speculative']['tokens_per_step']:.2f}): {sp['speedup']:.2f}x, "
+                     f"same tokens {sp['same_tokens']} |")
     if "peer_hf" in r:
         p = r["peer_hf"]
         lines += [f"| transformers static+compile decode tokens/s | {p['tokens_per_s']:.1f} "

@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cached lengths for long-context decode figures, comma-separated "
                         "(default 8192,32768 on GPUs, 1024 on CPUs; capped at the model's context)")
     b.add_argument("--startup", action="store_true", help="also time cold and warm compile")
+    b.add_argument("--speculate", choices=["ngram", "self"], default=None,
+                   help="also greedy tokens/s with and without speculative decoding, and the acceptance")
+    b.add_argument("--draft_tokens", type=_positive_int, default=4)
+    b.add_argument("--draft_layers", type=_positive_int, default=None)
     b.add_argument("--peer", choices=["hf"], default=None)
     b.add_argument("--json", default=None)
     b.add_argument("--markdown", default=None)

@@ -19,7 +19,8 @@ def test_bench_reports_every_figure(smollm2_gguf, tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "brisklm", "bench", "--checkpoint_path", smollm2_gguf, "--device", "cpu",
-         "--prefill", "32", "--context", "64", "--samples", "2", "--new_tokens", "4", "--max_seq_length", "200",
+         "--prefill", "32", "--context", "64", "--samples", "2", "--new_tokens", "4", "--max_seq_length", "400",
+         "--speculate", "ngram",
          "--json", str(out), "--markdown", str(tmp_path / "bench.md")],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -30,7 +31,10 @@ def test_bench_reports_every_figure(smollm2_gguf, tmp_path):
     assert 0 < d["fraction_of_ceiling"] <= 1.5  # noisy CPU; above 1 would mean a wrong count
     assert [t["tokens"] for t in r["ttft"]] == [5, 32]
     assert r["long_context"][0]["prompt_tokens"] == 64
-    assert r["max_seq_length"] == 200  # asked for; the longest request needs 64 + 4 + 8
+    assert r["max_seq_length"] == 400  # asked for; the longest request needs 64 + 4 + 8
+    sp = r["speculative"]  # the input-grounded prompt, with and without prompt lookup
+    assert sp["same_tokens"] and sp["prompt_tokens"] > 250 and sp["speculative"]["tokens_per_step"] >= 1
+    assert sp["plain"]["tokens_per_s"] > 0 and sp["speedup"] > 0
     assert "| fraction of the read ceiling |" in (tmp_path / "bench.md").read_text()
 
 
