@@ -348,33 +348,44 @@ def _size(path: str) -> int:
 
 def cmd_quantize(args):
     from .api import progress_bar, log, parse_dtype, quantize_loaded, step
-    from .checkpoints import load
-    from .checkpoints.native import save_native
+    from .checkpoints import load, resolve
+    from .checkpoints.native import NativeWriter, save_native
     from .quantize import quantizer, untied
-    transform = None
-    if args.mode in RTN_MODES:  # tensor by tensor as it is read: a model larger than memory in bf16 fits
+    _, source = resolve(args.checkpoint_path)
+    output = args.output or os.path.splitext(source.rstrip("/"))[0] + f"-{args.mode}"
+    scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
+              (args.groupsize if args.mode.startswith("int4") else None)}
+    sink = None
+    if args.mode in RTN_MODES:  # quantized and written tensor by tensor as it is read: one shard in memory
         try:
-            transform = quantizer(args.mode, args.groupsize)
+            quantize = quantizer(args.mode, args.groupsize)
         except ValueError as e:
             raise BriskError(str(e)) from None
-    doing = f", quantizing to {args.mode} tensor by tensor" if transform else ""
+        writer, written = NativeWriter(output), {}
+
+        def sink(model_args, name, t):  # (the reader keeps what this returns: nothing)
+            for key, entry in quantize(model_args, name, t).items():
+                writer.add(key, entry)
+                written[key] = None
+            return {}
+    doing = f", quantizing to {args.mode} tensor by tensor and writing {output} as it goes" if sink else ""
     with step(f"Reading {args.checkpoint_path or 'the bundled default model'}{doing}",
-              "Read and quantized" if transform else "Read"):
-        ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype), progress=progress_bar,
-                    keep_gguf_blocks="all" if args.mode == "gguf" else False, transform=transform)
-    if transform:
-        model_args, state = untied(ckpt.args, ckpt.state_dict), ckpt.state_dict
+              "Read, quantized and written" if sink else "Read"):
+        ckpt = load(source, device="cpu", dtype=parse_dtype(args.dtype), progress=progress_bar,
+                    keep_gguf_blocks="all" if args.mode == "gguf" else False, transform=sink)
+    if sink:
+        for key, t in ckpt.state_dict.items():  # what the reader kept as it was (a file's quantized entries)
+            writer.add(key, t)
+            written[key] = None
+        writer.finish(untied(ckpt.args, written), ckpt.tokenizer, quantization=scheme)
     else:
         model_args, state = quantize_loaded(ckpt.args, ckpt.state_dict, ckpt.tokenizer, args.mode,
                                             args.groupsize, ckpt.path, quiet=False)
-    output = args.output or os.path.splitext(ckpt.path.rstrip("/"))[0] + f"-{args.mode}"
-    scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
-              (args.groupsize if args.mode.startswith("int4") else None)}
-    with step(f"Writing {output}", "Written"):
-        save_native(output, model_args, state, ckpt.tokenizer, quantization=scheme)
-    source, written = _size(ckpt.path), _size(output)
-    if written > source:
-        log(f"Note: {output} ({written / 1e6:.0f} MB) is larger than its source ({source / 1e6:.0f} MB), "
+        with step(f"Writing {output}", "Written"):
+            save_native(output, model_args, state, ckpt.tokenizer, quantization=scheme)
+    source_bytes, written_bytes = _size(ckpt.path), _size(output)
+    if written_bytes > source_bytes:
+        log(f"Note: {output} ({written_bytes / 1e6:.0f} MB) is larger than its source ({source_bytes / 1e6:.0f} MB), "
             f"which stores fewer bits a weight than {args.mode} keeps; re-quantizing adds no accuracy "
             f"to the source's codes (--mode gguf keeps a GGUF file's blocks as they are)")
     print(output)

@@ -1,7 +1,9 @@
 """brisk-lm's own checkpoint: a folder written by `brisk convert`.
 
     brisk.json          {"format": "brisklm", "version": 1, "model_args": {...}, "tokenizer": {...}}
-    model.safetensors   the canonical state dict (see model.canonical_names)
+    model.safetensors   the canonical state dict (see model.canonical_names), or
+    model-00001.safetensors ...  shards of it, with brisk.json's "weight_map"
+                        naming each tensor's shard (a model written as it is read)
     tokenizer files     as the tokenizer backend saves them
 
 It loads with no name mapping, no fusion and no dequantization: a memory
@@ -9,6 +11,7 @@ map, then assignment.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -20,42 +23,73 @@ from . import Checkpoint, tracked
 FORMAT_VERSION = 1
 
 
-def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Tokenizer | None,
-                quantization: dict | None = None):
-    """Write the canonical tensors (dense, or quantize.py's entries) and the metadata."""
-    from safetensors.torch import save_file
+SHARD_BYTES = 2 << 30  # a shard is written once its tensors reach this size
 
-    from ..quantize import quantized_entries
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise BriskError(f"{folder}: cannot create the output folder ({e.strerror})") from None
-    tensors, aliases, seen = {}, {}, {}
 
-    def add(key, t):
-        # safetensors stores no shared memory: a tensor kept under two names (a
+class NativeWriter:
+    """Writes a native folder tensor by tensor: tensors are held until they
+    reach shard_bytes, then written as one shard and dropped, so writing
+    needs one shard's memory, not the model's. `finish` writes the rest and
+    brisk.json (a single shard is model.safetensors)."""
+
+    def __init__(self, folder: str, shard_bytes: int = SHARD_BYTES):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise BriskError(f"{folder}: cannot create the output folder ({e.strerror})") from None
+        self.folder, self.shard_bytes = folder, shard_bytes
+        self.tensors, self.held, self.peak_held = {}, 0, 0
+        self.aliases, self.seen, self.weight_map, self.shards = {}, {}, {}, 0
+
+    def add(self, key: str, t):
+        # safetensors stores no shared memory: a tensor held under two names (a
         # GGUF's tied Q8_0 embedding and output) is written once, the second
-        # name an alias of the first.
-        if t.data_ptr() in seen and tensors[seen[t.data_ptr()]].shape == t.shape:
-            aliases[key] = seen[t.data_ptr()]
+        # name an alias of the first (within one shard).
+        if t.data_ptr() in self.seen and self.tensors[self.seen[t.data_ptr()]].shape == t.shape:
+            self.aliases[key] = self.seen[t.data_ptr()]
             return
-        seen[t.data_ptr()] = key
-        tensors[key] = t.contiguous()
+        self.seen[t.data_ptr()] = key
+        self.tensors[key] = t.contiguous()
+        self.held += t.numel() * t.element_size()
+        self.peak_held = max(self.peak_held, self.held)
+        if self.held >= self.shard_bytes:
+            self._flush(f"model-{self.shards + 1:05d}.safetensors")
 
+    def _flush(self, name: str):
+        from safetensors.torch import save_file
+        try:
+            save_file(self.tensors, os.path.join(self.folder, name))
+        except OSError as e:  # a full disk, a read-only folder
+            raise BriskError(f"{self.folder}: cannot write the checkpoint ({e.strerror or e})") from None
+        self.weight_map.update({key: name for key in self.tensors})
+        self.shards += 1
+        self.tensors, self.seen, self.held = {}, {}, 0
+
+    def finish(self, args: ModelArgs, tokenizer: Tokenizer | None, quantization: dict | None = None):
+        sharded = self.shards > 0
+        self._flush(f"model-{self.shards + 1:05d}.safetensors" if sharded else "model.safetensors")
+        info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
+                "quantization": quantization, "aliases": self.aliases,
+                "weight_map": self.weight_map if sharded else None,
+                "tokenizer": tokenizer.save(self.folder) if tokenizer else None}
+        try:
+            with open(os.path.join(self.folder, "brisk.json"), "w", encoding="utf-8") as f:
+                json.dump(info, f, indent=1)
+        except OSError as e:
+            raise BriskError(f"{self.folder}: cannot write the checkpoint ({e.strerror or e})") from None
+
+
+def save_native(folder: str, args: ModelArgs, state_dict: dict, tokenizer: Tokenizer | None,
+                quantization: dict | None = None, shard_bytes: int = SHARD_BYTES):
+    """Write the canonical tensors (dense, or quantize.py's entries) and the metadata."""
+    from ..quantize import quantized_entries
+    writer = NativeWriter(folder, shard_bytes)
     for name in canonical_names(args):
         parts = None if name in state_dict else quantized_entries(state_dict, name)
         for key, t in ({name: state_dict[name]} if parts is None else
                        {f"{name}_{s}": t for s, t in parts.items()}).items():
-            add(key, t)
-    try:
-        save_file(tensors, os.path.join(folder, "model.safetensors"))
-        info = {"format": "brisklm", "version": FORMAT_VERSION, "model_args": args.to_dict(),
-                "quantization": quantization, "aliases": aliases,
-                "tokenizer": tokenizer.save(folder) if tokenizer else None}
-        with open(os.path.join(folder, "brisk.json"), "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=1)
-    except OSError as e:  # a full disk, a read-only folder
-        raise BriskError(f"{folder}: cannot write the checkpoint ({e.strerror or e})") from None
+            writer.add(key, t)
+    writer.finish(args, tokenizer, quantization)
 
 
 def read_metadata(folder: str) -> dict:
@@ -78,16 +112,22 @@ def load_native(folder: str, device, dtype, progress=None, transform=None, plan=
     args = ModelArgs(**info["model_args"])
     if plan:
         plan(args)
+    weight_map = info.get("weight_map") or {}
     weights = os.path.join(folder, "model.safetensors")
     state, aliases, read = {}, info.get("aliases") or {}, {}
     try:
-        with safe_open(weights, framework="pt", device=str(device)) as f:
-            keys = set(f.keys()) | set(aliases)
+        with contextlib.ExitStack() as stack:
+            files = {name: stack.enter_context(safe_open(os.path.join(folder, name), framework="pt",
+                                                         device=str(device)))
+                     for name in sorted(set(weight_map.values()) or {"model.safetensors"})}
+            if not weight_map:
+                weight_map = {k: "model.safetensors" for k in files["model.safetensors"].keys()}
+            keys = set(weight_map) | set(aliases)
 
             def get(key):  # an alias is the tensor it names, read once
                 stored = aliases.get(key, key)
                 if stored not in read:
-                    read[stored] = f.get_tensor(stored)
+                    read[stored] = files[weight_map[stored]].get_tensor(stored)
                 return read[stored]
 
             for name, shape in tracked(canonical_names(args).items(), progress):
@@ -104,6 +144,6 @@ def load_native(folder: str, device, dtype, progress=None, transform=None, plan=
                                      f"expected {shape}")
                 state.update(transform(args, name, t.to(dtype)) if transform else {name: t.to(dtype)})
     except (SafetensorError, OSError) as e:
-        raise BriskError(f"{weights}: corrupt or truncated weights file ({e})") from None
+        raise BriskError(f"{folder}: corrupt, truncated or missing weights file ({e})") from None
     tok = Tokenizer.from_saved(folder, info["tokenizer"]) if info.get("tokenizer") else None
     return Checkpoint(args, state, tok, folder)
