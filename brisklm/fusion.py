@@ -121,7 +121,8 @@ def fuse_for_decode(model: Transformer) -> Transformer:
     device = model.device
     if model.decode_kernels or not gemv.available(device):
         return model
-    fused_attention = attention_kernel.supported(device, 1, 1, model.args.head_dim)
+    # (the kernel applies RoPE to the raw projections: q/k norms (Qwen3) take the plain path)
+    fused_attention = attention_kernel.supported(device, 1, 1, model.args.head_dim) and not model.args.qk_norm
     for layer in model.layers:
         attn, ffn = layer.attention, layer.feed_forward
         attn.wqkv, layer.attention_norm = FusedLinear(attn.wqkv, layer.attention_norm), Folded()

@@ -68,8 +68,7 @@ def _layer_inputs(layer):
     hooks = []
     for name, module in names.items():
         def hook(mod, inputs, output, name=name):
-            x = inputs[0] if len(inputs) < 2 or inputs[1] is None else inputs[1](inputs[0])  # (x, norm)
-            x = x.reshape(-1, x.shape[-1]).float()
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()  # (after the norm: model.py applies it)
             h = x.T @ x
             hessians[name] = h if hessians[name] is None else hessians[name] + h
         hooks.append(module.register_forward_hook(hook))

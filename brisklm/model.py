@@ -1,6 +1,7 @@
 """The decoder: a Llama-family transformer with a static KV cache.
 
-One model covers Llama 1/2/3.x, Mistral, SmolLM2 and Qwen2 (attention bias):
+One model covers Llama 1/2/3.x, Mistral, SmolLM2, Qwen2 (attention bias) and
+Qwen3 (q/k norms):
 token embedding -> N x [RMSNorm, grouped-query attention with RoPE, RMSNorm,
 SwiGLU MLP] -> RMSNorm -> output projection. References: the LLaMA papers
 (Touvron et al. 2023), RoFormer (Su et al. 2021) for rotary embeddings,
@@ -42,6 +43,7 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before RoPE
     # Mistral-7B-v0.1: a query sees only the last sliding_window positions (itself included).
     sliding_window: int | None = None
     # Mixture of experts (Mixtral) is a block choice; 0 means a dense MLP.
@@ -252,6 +254,9 @@ class Attention(nn.Module):
         self.wo = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
         self.kv_cache: KVCache | None = None
         self.window = args.sliding_window
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, input_pos):
         B, T, _ = x.shape
@@ -261,6 +266,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
@@ -441,6 +448,8 @@ def canonical_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         names[p + "attention.wqkv.weight"] = (qkv, a.hidden_size)
         if a.attention_bias:
             names[p + "attention.wqkv.bias"] = (qkv,)
+        if a.qk_norm:
+            names[p + "attention.q_norm.weight"] = names[p + "attention.k_norm.weight"] = (a.head_dim,)
         names[p + "attention.wo.weight"] = (a.hidden_size, a.num_attention_heads * a.head_dim)
         names[p + "ffn_norm.weight"] = (a.hidden_size,)
         names[p + "feed_forward.w13.weight"] = (2 * a.intermediate_size, a.hidden_size)

@@ -46,6 +46,9 @@ PRESETS: dict[str, dict] = {
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=True,
                        max_position_embeddings=32768),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, max_position_embeddings=40960),
 }
 
 

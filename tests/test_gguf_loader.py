@@ -24,9 +24,11 @@ def llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path, np_dtype=np.float32, tied=False):
+def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
+    """llama.cpp's layout: q/k rows permuted for architecture llama only; q/k
+    norms (qwen3) as attn_q_norm / attn_k_norm."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -34,7 +36,11 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False):
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    rope = getattr(c, "rope_parameters", None) or {}  # (transformers >= 5 nests rope_theta there)
+    w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0)))
+    if getattr(c, "head_dim", None):
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_vocab_size(c.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -50,12 +56,16 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False):
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                  "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    if arch == "qwen3":
+        per_layer.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
     for i in range(c.num_hidden_layers):
         for hf, gg in per_layer.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
     for hf, gg in names.items():
         t = sd[hf]
-        if gg.endswith("attn_q.weight"):
+        if arch != "llama":
+            pass
+        elif gg.endswith("attn_q.weight"):
             t = llama_cpp_permute(t, c.num_attention_heads)
         elif gg.endswith("attn_k.weight"):
             t = llama_cpp_permute(t, c.num_key_value_heads)
@@ -97,6 +107,27 @@ def test_gguf_model_matches_transformers_logits(tmp_path, hf_model):
     model, tied = hf_model
     write_gguf(model, tmp_path / "m.gguf", tied=tied)
     ckpt = load(str(tmp_path / "m.gguf"), dtype=torch.float32)
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 32)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(12)) - model(ids).logits).abs().max() <= 1e-4
+
+
+def test_qwen3_gguf_matches_transformers_logits(tmp_path):
+    """Qwen3 (q/k norms, head_dim not hidden / heads) written in llama.cpp's
+    qwen3 layout: logits equal transformers' to 1e-4, the same as its HF folder."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**{**CONFIG, "rope_theta": 1e6}, head_dim=32,
+                                      tie_word_embeddings=False)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    write_gguf(model, tmp_path / "q3.gguf", arch="qwen3")
+    ckpt = load(str(tmp_path / "q3.gguf"), dtype=torch.float32)
+    assert ckpt.args.qk_norm and ckpt.args.head_dim == 32 and not ckpt.args.attention_bias
     ours = build_model(ckpt.args, ckpt.state_dict)
     ours.setup_caches(1, 32)
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))

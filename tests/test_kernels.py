@@ -587,3 +587,20 @@ def test_dp4a_kernels_represent_x_within_their_bound():
     block of inputs, at any scale and with outliers, read through identity
     weights (int8, and int4 with its nibble order and zero term)."""
     assert "represented ok" in run_interpreted(REPRESENTATION_CHILD)
+
+
+def test_fusion_leaves_q_k_normed_attention_on_the_plain_path(monkeypatch):
+    """The decode attention kernel applies RoPE to the raw projections, so a
+    model with q/k norms (Qwen3) keeps PyTorch attention; its Linears still fuse."""
+    import torch
+    from brisklm import fusion
+    from brisklm.model import ModelArgs, build_model, random_state_dict
+    monkeypatch.setattr(fusion.gemv, "available", lambda device: True)  # as on an NVIDIA GPU
+    monkeypatch.setattr(fusion.attention_kernel, "supported", lambda *a: True)
+    for qk_norm in (False, True):
+        args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, qk_norm=qk_norm)
+        model = fusion.fuse_for_decode(build_model(args, random_state_dict(args, torch.float32)))
+        assert isinstance(model.layers[0].attention, fusion.FusedAttention) != qk_norm
+        assert model.decode_kernels["attention"] != qk_norm
+        assert isinstance(model.layers[1].feed_forward.w13, fusion.FusedLinear)

@@ -37,6 +37,9 @@ CASES = {
                                               sliding_window=6, max_window_layers=0)),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM",
                    dict(BASE, num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen3-qk-norm-headdim": ("Qwen3Config", "Qwen3ForCausalLM",  # head_dim not hidden / heads
+                              dict(BASE, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
+                                   tie_word_embeddings=False)),
 }
 
 

@@ -86,6 +86,7 @@ HF_LAYER = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 HF_FUSED = {

@@ -24,7 +24,8 @@ from . import Checkpoint, assemble_from_hf_names
 
 # GGUF architectures we run; 'llama' also covers Mistral and SmolLM2 files.
 ARCHITECTURES = {"llama": {"permuted_qk": True, "attention_bias": False},
-                 "qwen2": {"permuted_qk": False, "attention_bias": True}}
+                 "qwen2": {"permuted_qk": False, "attention_bias": True},
+                 "qwen3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True}}
 
 GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
     "attn_norm.weight": "input_layernorm.weight",
@@ -32,7 +33,8 @@ GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
 }
 GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
@@ -110,7 +112,8 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
         max_position_embeddings=get("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=ARCHITECTURES[arch]["attention_bias"])
+        attention_bias=ARCHITECTURES[arch]["attention_bias"],
+        qk_norm=ARCHITECTURES[arch].get("qk_norm", False))
     if get("expert_count", 0, required=False):
         raise BriskError(f"{path}: mixture-of-experts GGUF files are not supported yet")
     kind = get("rope.scaling.type", "none", required=False)

@@ -17,7 +17,7 @@ from ..tokenizer import load_hf_tokenizer
 from . import Checkpoint, assemble_from_hf_names
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "Qwen2ForCausalLM": "qwen2"}
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
 def read_config(folder: str) -> ModelArgs:
@@ -36,6 +36,8 @@ def read_config(folder: str) -> ModelArgs:
                          f"(supported: {', '.join(SUPPORTED)})")
     if model_type == "qwen2" or arch == "Qwen2ForCausalLM":
         config.setdefault("attention_bias", True)
+    if model_type == "qwen3" or arch == "Qwen3ForCausalLM":
+        config["qk_norm"] = True
     try:
         return ModelArgs.from_dict(config)
     except (TypeError, ValueError, KeyError) as e:
