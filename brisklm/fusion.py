@@ -109,6 +109,8 @@ class FusedAttention(Attention):
             return super().forward(x, cos, sin, mask, input_pos)
         cache = self.kv_cache
         scales = (cache.k_scale, cache.v_scale) if cache.k.dtype == torch.int8 else (None, None)
+        if not self.rope:  # (a layer without RoPE, SmolLM3's: the identity rotation)
+            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         y = attention_kernel.decode_attention(self.wqkv(x).reshape(-1), cos.reshape(-1), sin.reshape(-1),
                                               cache.k, cache.v, input_pos, *scales, window=self.window)
         return self.wo(y)

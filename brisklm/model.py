@@ -1,7 +1,7 @@
 """The decoder: a Llama-family transformer with a static KV cache.
 
-One model covers Llama 1/2/3.x, Mistral, SmolLM2, Qwen2 (attention bias) and
-Qwen3 (q/k norms):
+One model covers Llama 1/2/3.x, Mistral, SmolLM2, Qwen2 (attention bias),
+Qwen3 (q/k norms) and SmolLM3 (some layers without RoPE):
 token embedding -> N x [RMSNorm, grouped-query attention with RoPE, RMSNorm,
 SwiGLU MLP] -> RMSNorm -> output projection. References: the LLaMA papers
 (Touvron et al. 2023), RoFormer (Su et al. 2021) for rotary embeddings,
@@ -44,6 +44,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before RoPE
+    no_rope_layers: list | None = None  # SmolLM3: per layer, 1 applies RoPE, 0 does not (None: all do)
     # Mistral-7B-v0.1: a query sees only the last sliding_window positions (itself included).
     sliding_window: int | None = None
     # Mixture of experts (Mixtral) is a block choice; 0 means a dense MLP.
@@ -67,6 +68,9 @@ class ModelArgs:
                 f"num_key_value_heads={self.num_key_value_heads}")
         if self.num_local_experts:
             raise ValueError("mixture-of-experts models are not supported yet")
+        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(self.no_rope_layers)} entries for "
+                             f"{self.num_hidden_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
@@ -245,8 +249,9 @@ def format_entries(state: dict, name: str) -> tuple[str, dict[str, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
+        self.rope = not args.no_rope_layers or bool(args.no_rope_layers[layer])
         self.n_heads, self.n_kv_heads, self.head_dim = (
             args.num_attention_heads, args.num_key_value_heads, args.head_dim)
         qkv_dim = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
@@ -268,7 +273,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
@@ -294,10 +300,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.feed_forward = FeedForward(args)
 
@@ -311,7 +317,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_seq_length = 0

@@ -49,6 +49,11 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, qk_norm=True, max_position_embeddings=40960),
+    "smollm3-3b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                       rms_norm_eps=1e-6, rope_theta=5000000.0, tie_word_embeddings=True,
+                       no_rope_layers=[0 if (i + 1) % 4 == 0 else 1 for i in range(36)],
+                       max_position_embeddings=65536),
 }
 
 

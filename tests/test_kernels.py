@@ -223,22 +223,23 @@ MODEL_ATTENTION_CHILD = r"""
 import torch
 from brisklm.fusion import FusedAttention, fuse_for_decode
 from brisklm.model import ModelArgs, build_model, random_state_dict
-args = ModelArgs(vocab_size=61, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2)  # head_dim 32: the kernel's smallest
-state = random_state_dict(args, torch.float32, std=0.1)
-fused, plain = fuse_for_decode(build_model(args, state)), build_model(args, state)
-assert isinstance(fused.layers[1].attention, FusedAttention) and not plain.decode_kernels
-for kv_int8 in (False, True):
-    outputs = []
-    for model in (fused, plain):
-        model.setup_caches(1, 300, kv_int8)  # two slices
-        with torch.no_grad():
-            logits = [model(torch.tensor([[1, 5, 9, 3, 7]]), torch.arange(5))]
-            for pos in range(5, 9):  # decode: one token at a time
-                logits.append(model(logits[-1][:, -1:].argmax(-1), torch.tensor([pos]), kv_len=pos + 1))
-        outputs.append(torch.cat(logits, 1))
-    err = ((outputs[0] - outputs[1]).norm() / outputs[1].norm()).item()
-    assert err < 1e-5, (kv_int8, err)
+for no_rope in (None, [1, 0]):  # (SmolLM3: a layer without RoPE takes the identity rotation)
+    args = ModelArgs(vocab_size=61, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, no_rope_layers=no_rope)  # head_dim 32
+    state = random_state_dict(args, torch.float32, std=0.1)
+    fused, plain = fuse_for_decode(build_model(args, state)), build_model(args, state)
+    assert isinstance(fused.layers[1].attention, FusedAttention) and not plain.decode_kernels
+    for kv_int8 in (False, True):
+        outputs = []
+        for model in (fused, plain):
+            model.setup_caches(1, 300, kv_int8)  # two slices
+            with torch.no_grad():
+                logits = [model(torch.tensor([[1, 5, 9, 3, 7]]), torch.arange(5))]
+                for pos in range(5, 9):  # decode: one token at a time
+                    logits.append(model(logits[-1][:, -1:].argmax(-1), torch.tensor([pos]), kv_len=pos + 1))
+            outputs.append(torch.cat(logits, 1))
+        err = ((outputs[0] - outputs[1]).norm() / outputs[1].norm()).item()
+        assert err < 1e-5, (no_rope, kv_int8, err)
 print("model ok")
 """
 

@@ -40,6 +40,10 @@ CASES = {
     "qwen3-qk-norm-headdim": ("Qwen3Config", "Qwen3ForCausalLM",  # head_dim not hidden / heads
                               dict(BASE, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
                                    tie_word_embeddings=False)),
+    "smollm3-a-layer-without-rope": ("SmolLM3Config", "SmolLM3ForCausalLM",
+                                     dict(BASE, num_key_value_heads=2, no_rope_layers=[1, 0], rope_theta=5e6,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                          tie_word_embeddings=True)),
 }
 
 

@@ -17,7 +17,7 @@ from ..tokenizer import load_hf_tokenizer
 from . import Checkpoint, assemble_from_hf_names
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
 
 
 def read_config(folder: str) -> ModelArgs:
