@@ -4,6 +4,8 @@ Tiny random configurations are built with transformers at test time and saved
 as Hugging Face folders; we load them through our own reader. Tolerance: max
 abs difference <= 1e-4 on logits of order 1.
 """
+import json
+
 import pytest
 import torch
 
@@ -40,6 +42,9 @@ CASES = {
     "qwen3-qk-norm-headdim": ("Qwen3Config", "Qwen3ForCausalLM",  # head_dim not hidden / heads
                               dict(BASE, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
                                    tie_word_embeddings=False)),
+    "phi3-fused-qkv-and-gate-up": ("Phi3Config", "Phi3ForCausalLM",  # stored fused in the checkpoint
+                                   dict(BASE, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2, tie_word_embeddings=False)),
     "smollm3-a-layer-without-rope": ("SmolLM3Config", "SmolLM3ForCausalLM",
                                      dict(BASE, num_key_value_heads=2, no_rope_layers=[1, 0], rope_theta=5e6,
                                           pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -78,6 +83,20 @@ def test_logits_match_transformers(tmp_path, case):
     got = torch.cat(got, dim=1)
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_a_rope_scaling_or_partial_rotary_not_supported_is_one_line_naming_it(tmp_path):
+    from brisklm.errors import BriskError
+    for case, change, word in (("phi3-fused-qkv-and-gate-up", {"partial_rotary_factor": 0.75}, "partial_rotary"),
+                               ("llama-mha-tied", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn")):
+        make_folder(tmp_path, case)
+        config = json.loads((tmp_path / "config.json").read_text())
+        config.update(change)
+        config.pop("rope_parameters", None)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(BriskError, match=word) as e:
+            load(str(tmp_path), dtype=torch.float32)
+        assert "\n" not in str(e.value) and "config.json" in str(e.value)
 
 
 def test_decode_with_exact_kv_len_matches_full_cache(tmp_path):

@@ -96,6 +96,9 @@ HF_FUSED = {
                             "self_attn.v_proj.bias"],
     "feed_forward.w13.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
 }
+# ... or stored already fused, in the same order (Phi-3 / Phi-4)
+HF_STORED_FUSED = {"attention.wqkv.weight": "self_attn.qkv_proj.weight",
+                   "feed_forward.w13.weight": "mlp.gate_up_proj.weight"}
 
 
 def tracked(items, progress):
@@ -149,6 +152,8 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
             prefix = f"model.layers.{i}."
             if local in HF_LAYER:
                 put(name, fetch(prefix + HF_LAYER[local], shape))
+            elif local in HF_STORED_FUSED and has(prefix + HF_STORED_FUSED[local]):
+                put(name, fetch(prefix + HF_STORED_FUSED[local], shape))
             else:
                 rows = [part_rows[part.rsplit(".", 1)[0]] for part in HF_FUSED[local]]
                 put(name, torch.cat([fetch(prefix + part, (n,) + tuple(shape[1:]))

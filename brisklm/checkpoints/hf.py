@@ -17,7 +17,8 @@ from ..tokenizer import load_hf_tokenizer
 from . import Checkpoint, assemble_from_hf_names
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3"}
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3",
+             "Phi3ForCausalLM": "phi3"}
 
 
 def read_config(folder: str) -> ModelArgs:
@@ -38,6 +39,13 @@ def read_config(folder: str) -> ModelArgs:
         config.setdefault("attention_bias", True)
     if model_type == "qwen3" or arch == "Qwen3ForCausalLM":
         config["qk_norm"] = True
+    rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise BriskError(f"{path}: rope scaling {kind!r} is not supported yet (default, linear, llama3 are)")
+    partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise BriskError(f"{path}: partial_rotary_factor {partial} is not supported yet (RoPE on whole heads only)")
     try:
         return ModelArgs.from_dict(config)
     except (TypeError, ValueError, KeyError) as e:
