@@ -427,12 +427,14 @@ def _first_stop(text: str, stops: list[str]) -> int:
     return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
-def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop) -> Iterator[str]:
-    """Token ids -> text pieces, ending at an end token or before a stop string."""
+def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop, ends=None) -> Iterator[str]:
+    """Token ids -> text pieces, ending at an end token (ends: the tokenizer's
+    by default) or before a stop string."""
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
     # Text that could still become a stop string is held back until decided.
     hold = max((len(s) for s in stops), default=1) - 1
-    decoder, pending, ends = tok.stream(), "", set(tok.eos_ids)
+    decoder, pending = tok.stream(), ""
+    ends = set(tok.eos_ids if ends is None else ends)
     for token in tokens:
         if token in ends:
             break

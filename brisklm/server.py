@@ -58,6 +58,7 @@ class Sampling(BaseModel):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict | None = None
+    ignore_eos: bool = False  # (an extension, as vLLM's: generate max_tokens whatever comes; for load tests)
 
 
 class CompletionRequest(Sampling):
@@ -129,18 +130,19 @@ class Engine:
         except BriskError as e:  # a request the model cannot serve
             raise APIError(400, str(e)) from None
 
-    def generate(self, ids: list[int], max_tokens: int, sampling: dict, stop, emit, cancelled) -> dict:
+    def generate(self, ids: list[int], max_tokens: int, sampling: dict, stop, emit, cancelled,
+                 ignore_eos: bool = False) -> dict:
         """In the worker: generate, call emit(text) per piece, stop when cancelled().
         Returns the token ids generated and the finish reason."""
         if cancelled() or self.closing.is_set():
             return {"ids": [], "finish_reason": "cancelled"}
         tokens, state = [], {"done": False}
-        eos = set(self.llm.tokenizer.eos_ids)
+        eos = set() if ignore_eos else set(self.llm.tokenizer.eos_ids)
         t0 = last = time.perf_counter()
 
         def counted():
             nonlocal last
-            for t in self.llm.stream_ids(ids, max_tokens, **sampling):
+            for t in self.llm.stream_ids(ids, max_tokens, stop_ids=eos, **sampling):
                 now = time.perf_counter()
                 (self.metrics.ttft if not tokens else self.metrics.itl).observe(now - (t0 if not tokens else last))
                 last = now
@@ -149,7 +151,7 @@ class Engine:
                 yield t
             state["done"] = True
 
-        pieces = _text_pieces(self.llm.tokenizer, counted(), stop)
+        pieces = _text_pieces(self.llm.tokenizer, counted(), stop, ends=eos)
         try:
             for piece in pieces:
                 if cancelled() or self.closing.is_set():
@@ -275,7 +277,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             for index, (text, ids, i) in enumerate(jobs):
                 pieces = []
                 out = await engine.run(engine.generate, ids, body.max_tokens, sampling_of(body, i), body.stop,
-                                       pieces.append, lambda: False)
+                                       pieces.append, lambda: False, body.ignore_eos)
                 completion = "".join(pieces)
                 choice = {"text": (text if body.echo else "") + completion, "index": index,
                           "logprobs": None, "finish_reason": out["finish_reason"]}
@@ -312,7 +314,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             for index, (_, ids, i) in enumerate(jobs):
                 pieces = []
                 out = await engine.run(engine.generate, ids, max_tokens, sampling_of(body, i), body.stop,
-                                       pieces.append, lambda: False)
+                                       pieces.append, lambda: False, body.ignore_eos)
                 choice = {"index": index, "message": {"role": "assistant", "content": "".join(pieces)},
                           "logprobs": None, "finish_reason": out["finish_reason"]}
                 if body.logprobs:
@@ -340,7 +342,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                                                         "logprobs": None, "finish_reason": None}]})
                     emit = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, piece)  # noqa: E731
                     job = loop.run_in_executor(engine.worker, engine.generate, ids, body.max_tokens,
-                                               sampling_of(body, i), body.stop, emit, cancel.is_set)
+                                               sampling_of(body, i), body.stop, emit, cancel.is_set, body.ignore_eos)
                     job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
                     while (piece := await queue.get()) is not None:
                         delta = {"content": piece} if chat else None

@@ -222,7 +222,8 @@ def test_generated_bodies_never_give_a_5xx(server):
 def test_a_full_queue_answers_429_and_sigterm_ends_cleanly(smollm2_gguf):
     proc, url = start(smollm2_gguf, "--queue", "0")
     try:
-        slow = {"prompt": "Tell me a long story.", "max_tokens": 400, "stream": True, "temperature": 0.8}
+        slow = {"prompt": "Tell me a long story.", "max_tokens": 400, "stream": True, "temperature": 0.8,
+                "ignore_eos": True}  # (busy for all 400 tokens: an end token cannot free the engine early)
         req = urllib.request.Request(url + "/v1/completions", data=json.dumps(slow).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
         first = urllib.request.urlopen(req, timeout=60)
