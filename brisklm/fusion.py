@@ -123,17 +123,24 @@ def fuse_for_decode(model: Transformer) -> Transformer:
     device = model.device
     if model.decode_kernels or not gemv.available(device):
         return model
-    # (the kernel applies RoPE to the raw projections: q/k norms (Qwen3) take the plain path)
-    fused_attention = attention_kernel.supported(device, 1, 1, model.args.head_dim) and not model.args.qk_norm
+    a = model.args
+    # (the kernel applies RoPE to the raw projections and scales by head_dim**-0.5:
+    # q/k norms (Qwen3, Gemma 3) and another scale take the plain path)
+    fused_attention = (attention_kernel.supported(device, 1, 1, a.head_dim) and not a.qk_norm
+                       and a.query_pre_attn_scalar in (None, a.head_dim))
+
+    def fold(linear, norm):  # (a norm applied as (1 + w), Gemma's, stays in front)
+        return (FusedLinear(linear, norm), Folded()) if not norm.offset else (FusedLinear(linear), norm)
+
     for layer in model.layers:
         attn, ffn = layer.attention, layer.feed_forward
-        attn.wqkv, layer.attention_norm = FusedLinear(attn.wqkv, layer.attention_norm), Folded()
+        attn.wqkv, layer.attention_norm = fold(attn.wqkv, layer.attention_norm)
         attn.wo = FusedLinear(attn.wo)
-        ffn.w13, layer.ffn_norm = FusedLinear(ffn.w13, layer.ffn_norm), Folded()
+        ffn.w13, layer.ffn_norm = fold(ffn.w13, layer.ffn_norm)
         ffn.w2 = FusedLinear(ffn.w2)
         if fused_attention:
             attn.__class__ = FusedAttention  # same state, the kernel's forward in front
-    model.output, model.norm = FusedLinear(model.output, model.norm), Folded()
+    model.output, model.norm = fold(model.output, model.norm)
     # (the tuned blocks are constants of a traced step: precompile keys on them)
     model.decode_kernels = {"attention": fused_attention, "gemv": gemv.tuned()}
     return model

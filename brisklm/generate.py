@@ -88,10 +88,10 @@ def decode_one_token(model: Transformer, token, input_pos, params: SamplingParam
                      block_mask=None):
     """token: (1,) at position input_pos (1,) -> next token (1,).
 
-    Pass kv_len (eager) or the cache's causal block_mask (compiled) so that
-    attention reads only the filled part of the cache."""
+    Pass kv_len (eager) or the cache's causal block masks ({window: BlockMask},
+    compiled) so that attention reads only the filled part of the cache."""
     if block_mask is not None:
-        block_mask = decode_block_mask(block_mask, input_pos)
+        block_mask = {window: decode_block_mask(mask, input_pos) for window, mask in block_mask.items()}
     logits = model(token.view(1, 1), input_pos, kv_len=kv_len, block_mask=block_mask)  # (1, 1, V)
     return sample(logits[:, -1], params)
 
@@ -228,7 +228,7 @@ class Generator:
         model.prepare(self.device, compiled=compile)
         if compile:
             if not length_on_device:
-                self.block_mask = causal_block_mask(max_seq_length, self.device, model.args.sliding_window)
+                self.block_mask = {w: causal_block_mask(max_seq_length, self.device, w) for w in model.windows}
             # Inductor options apply to this function only (no global flags). On
             # CUDA the step becomes one CUDA graph, and inductor's kernels launch
             # while their predecessor finishes (programmatic dependent launch,

@@ -1,9 +1,11 @@
 """The decoder: a Llama-family transformer with a static KV cache.
 
 One model covers Llama 1/2/3.x, Mistral, SmolLM2, Qwen2 (attention bias),
-Qwen3 (q/k norms) and SmolLM3 (some layers without RoPE):
+Qwen3 (q/k norms), SmolLM3 (some layers without RoPE), Phi-3/4 and Gemma 3
+(scaled embeddings, norms also after attention and MLP, GeGLU, sliding-window
+layers with their own RoPE base between global ones):
 token embedding -> N x [RMSNorm, grouped-query attention with RoPE, RMSNorm,
-SwiGLU MLP] -> RMSNorm -> output projection. References: the LLaMA papers
+gated MLP] -> RMSNorm -> output projection. References: the LLaMA papers
 (Touvron et al. 2023), RoFormer (Su et al. 2021) for rotary embeddings,
 GQA (Ainslie et al. 2023), and Hugging Face transformers' modeling_llama.py,
 whose fp32 logits the tests match.
@@ -45,8 +47,19 @@ class ModelArgs:
     attention_bias: bool = False  # Qwen2: bias on q/k/v
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before RoPE
     no_rope_layers: list | None = None  # SmolLM3: per layer, 1 applies RoPE, 0 does not (None: all do)
-    # Mistral-7B-v0.1: a query sees only the last sliding_window positions (itself included).
+    # Mistral-7B-v0.1: a query sees only the last sliding_window positions (itself included),
+    # on every layer, or (Gemma 3) on those that layer_types names "sliding_attention".
     sliding_window: int | None = None
+    layer_types: list | None = None
+    rope_local_base_freq: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled)
+    hidden_act: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    # Gemma 3: embeddings times sqrt(hidden_size), RMSNorm weights w applied as
+    # (norm_offset + w), a norm after attention and after the MLP too, and
+    # attention scores scaled by query_pre_attn_scalar**-0.5 (None: head_dim**-0.5).
+    embed_scale: float = 1.0
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
     # Mixture of experts (Mixtral) is a block choice; 0 means a dense MLP.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
@@ -73,13 +86,32 @@ class ModelArgs:
                              f"{self.num_hidden_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer (None: it sees every earlier position)."""
+        sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether a layer takes the sliding layers' own RoPE base."""
+        return self.rope_local_base_freq is not None and self.window(layer) is not None
 
     @classmethod
     def from_dict(cls, config: dict) -> "ModelArgs":
         """Build from a Hugging Face config.json dict (unknown keys ignored)."""
         config = dict(config)
-        # transformers >= 5 nests rope_theta and the scaling in rope_parameters.
+        config.setdefault("hidden_act", config.get("hidden_activation"))
+        # transformers >= 5 nests rope_theta and the scaling in rope_parameters
+        # (Gemma 3: one entry for the full and one for the sliding layers).
         rope = config.pop("rope_parameters", None) or {}
+        if "full_attention" in rope:
+            config.setdefault("rope_local_base_freq", (rope.get("sliding_attention") or {}).get("rope_theta"))
+            rope = rope["full_attention"] or {}
         if "rope_theta" in rope and "rope_theta" not in config:
             config["rope_theta"] = rope["rope_theta"]
         if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
@@ -105,11 +137,16 @@ class ModelArgs:
         return asdict(self)
 
 
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), fp32, with the model's scaling applied."""
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def rope_frequencies(args: ModelArgs, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), fp32, with the model's scaling applied
+    (local: the sliding layers' base, which Gemma 3 does not scale)."""
     dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling = args.rope_scaling or {}
+    theta = args.rope_local_base_freq if local else args.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = {} if local else args.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv_freq / scaling["factor"]
@@ -128,15 +165,18 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalize in fp32 as the reference does, then scale in the model dtype.
+        # Normalize in fp32 as the reference does, then scale in the model dtype
+        # (Gemma's (1 + w) in fp32: 1 + w rounded to bf16 would lose w's digits).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -258,10 +298,11 @@ class Attention(nn.Module):
         self.wqkv = Linear(args.hidden_size, qkv_dim, bias=args.attention_bias)
         self.wo = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
         self.kv_cache: KVCache | None = None
-        self.window = args.sliding_window
+        self.window, self.local_rope = args.window(layer), args.local_rope(layer)
+        self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None
         if args.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset)
 
     def forward(self, x, cos, sin, mask, input_pos):
         B, T, _ = x.shape
@@ -278,38 +319,44 @@ class Attention(nn.Module):
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+            y = flex_attention(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
             k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1])
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(x W1) * x W3), with W1 (gate) and W3 (up) stacked in w13."""
+    """SwiGLU: w2(silu(x W1) * x W3), with W1 (gate) and W3 (up) stacked in w13
+    (GeGLU with gelu in place of silu)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.intermediate_size = args.intermediate_size
+        self.intermediate_size, self.act = args.intermediate_size, ACTIVATIONS[args.hidden_act]
         self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(self.act(gate) * up)
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)  # noqa: E731
+        self.attention_norm = norm()
         self.attention = Attention(args, layer)
-        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = norm()
         self.feed_forward = FeedForward(args)
+        if args.sandwich_norms:
+            self.post_attention_norm, self.post_ffn_norm = norm(), norm()
 
     def forward(self, x, cos, sin, mask, input_pos):
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        y = self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+        h = x + (self.post_attention_norm(y) if hasattr(self, "post_attention_norm") else y)
+        y = self.feed_forward(self.ffn_norm(h))
+        return h + (self.post_ffn_norm(y) if hasattr(self, "post_ffn_norm") else y)
 
 
 class Transformer(nn.Module):
@@ -318,7 +365,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
         self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_seq_length = 0
         self.kv_int8 = False
@@ -364,35 +411,48 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
                                                max_seq_length, a.head_dim, dtype, device, self.kv_int8)
         t = torch.arange(max_seq_length, dtype=torch.float32)
-        angles = torch.outer(t, rope_frequencies(a))  # (S, D/2)
-        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)
+        for prefix, local in (("rope", False), ("rope_local", True)):
+            if local and a.rope_local_base_freq is None:
+                continue
+            angles = torch.outer(t, rope_frequencies(a, local))  # (S, D/2)
+            self.register_buffer(prefix + "_cos", angles.cos().to(device), persistent=False)
+            self.register_buffer(prefix + "_sin", angles.sin().to(device), persistent=False)
         self.max_seq_length = max_seq_length
 
+    @property
+    def windows(self) -> list[int | None]:
+        """The distinct sliding windows of the layers (None: full attention)."""
+        return sorted({layer.attention.window for layer in self.layers}, key=lambda w: w or 0)
+
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor | None = None,
-                kv_len: int | None = None, block_mask: BlockMask | None = None, depth: int | None = None):
+                kv_len: int | None = None, block_mask: dict | None = None, depth: int | None = None):
         """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
         or (B, 1, V) for one position along T only, the index `last` (shape (1,),
         a tensor so that a CUDA graph of a padded prompt takes it as an input).
 
         Attention reads only the filled part of the cache: eager callers pass
         kv_len (known on the host) and compiled decode steps a one-row
-        block_mask (see decode_block_mask), whose flex-attention kernel skips
-        the empty blocks; with neither, attention covers the whole cache,
-        masked. (With decode_kernels, one token's attention reads the length
+        block mask for each of `windows` ({window: BlockMask}, see
+        decode_block_mask), whose flex-attention kernel skips the empty
+        blocks; with neither, attention covers the whole cache, masked. (With decode_kernels, one token's attention reads the length
         on the device and ignores both.)
 
         depth runs the first `depth` layers only, then the final norm and the
         output layer: the target's own shallow draft (speculative.py)."""
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        ropes = {False: (self.rope_cos[input_pos], self.rope_sin[input_pos])}
+        if hasattr(self, "rope_local_cos"):
+            ropes[True] = (self.rope_local_cos[input_pos], self.rope_local_sin[input_pos])
         if block_mask is not None:
-            mask = block_mask
-        else:  # causal: the query at position p sees keys 0..p (the last sliding_window of them)
+            masks = block_mask
+        else:  # causal: the query at position p sees keys 0..p (the last `window` of them)
             keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
-            mask = visible(input_pos[:, None], keys[None, :], self.args.sliding_window)  # (T, S)
+            masks = {w: visible(input_pos[:, None], keys[None, :], w) for w in self.windows}  # (T, S)
         x = self.tok_embeddings(idx)  # (B, T, C)
+        if self.args.embed_scale != 1.0:  # (rounded to the model's dtype first, as the reference)
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
         for layer in self.layers if depth is None else self.layers[:depth]:
-            x = layer(x, cos, sin, mask, input_pos)
+            attention = layer.attention
+            x = layer(x, *ropes[attention.local_rope], masks[attention.window], input_pos)
         if last is not None:
             x = x.index_select(1, last)
         return self.output(self.norm(x)).float()
@@ -458,6 +518,8 @@ def canonical_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             names[p + "attention.q_norm.weight"] = names[p + "attention.k_norm.weight"] = (a.head_dim,)
         names[p + "attention.wo.weight"] = (a.hidden_size, a.num_attention_heads * a.head_dim)
         names[p + "ffn_norm.weight"] = (a.hidden_size,)
+        if a.sandwich_norms:
+            names[p + "post_attention_norm.weight"] = names[p + "post_ffn_norm.weight"] = (a.hidden_size,)
         names[p + "feed_forward.w13.weight"] = (2 * a.intermediate_size, a.hidden_size)
         names[p + "feed_forward.w2.weight"] = (a.hidden_size, a.intermediate_size)
     return names
@@ -514,8 +576,8 @@ def random_state_dict(args: ModelArgs, dtype=torch.bfloat16, device="cpu", seed=
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, shape in canonical_names(args).items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):  # (scale 1)
+            t = torch.full(shape, 1.0 - args.norm_offset, dtype=dtype, device=device)
         else:
             t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=gen)
         state.update(transform(args, name, t) if transform else {name: t})

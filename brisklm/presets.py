@@ -57,6 +57,15 @@ PRESETS: dict[str, dict] = {
                        rms_norm_eps=1e-6, rope_theta=5000000.0, tie_word_embeddings=True,
                        no_rope_layers=[0 if (i + 1) % 4 == 0 else 1 for i in range(36)],
                        max_position_embeddings=65536),
+    "gemma-3-12b": dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6,
+                        rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                        rope_local_base_freq=10000.0, sliding_window=1024,
+                        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                     for i in range(48)],
+                        hidden_act="gelu_pytorch_tanh", embed_scale=3840 ** 0.5, norm_offset=1.0,
+                        sandwich_norms=True, qk_norm=True, query_pre_attn_scalar=256,
+                        tie_word_embeddings=True, max_position_embeddings=131072),
 }
 
 

@@ -37,7 +37,8 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}  # (transformers >= 5 nests rope_theta there)
-    w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0)))
+    if arch != "gemma3":  # (one entry per layer kind, below)
+        w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or rope.get("rope_theta", 10000.0)))
     if getattr(c, "head_dim", None):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -56,13 +57,23 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                  "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         per_layer.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
+    if arch == "gemma3":  # llama.cpp: norms stored as 1 + w; the window, the pattern, the rope scaling
+        per_layer.update({"post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"})
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        full = c.rope_parameters["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
     for i in range(c.num_hidden_layers):
         for hf, gg in per_layer.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
     for hf, gg in names.items():
-        t = sd[hf]
+        t = sd[hf] + (1 if arch == "gemma3" and hf.endswith("norm.weight") else 0)
         if arch != "llama":
             pass
         elif gg.endswith("attn_q.weight"):
@@ -162,6 +173,32 @@ def write_q8_0_copy(tmp_path, model, tied, suffixes=("ffn_down.weight",)):
     w.write_tensors_to_file()
     w.close()
     return str(tmp_path / "q.gguf"), expected
+
+
+def test_gemma3_gguf_matches_transformers_logits(tmp_path):
+    """Gemma 3 in llama.cpp's gemma3 layout (norms stored as 1 + w, four a
+    layer, sliding and global layers with the pattern listed, linear RoPE
+    scaling on the global ones): logits equal transformers' to 1e-4."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        **{**CONFIG, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=32, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+        pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    write_gguf(model, tmp_path / "g3.gguf", tied=True, arch="gemma3")
+    ckpt = load(str(tmp_path / "g3.gguf"), dtype=torch.float32)
+    assert ckpt.args.layer_types == config.layer_types and ckpt.args.sandwich_norms
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 32)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4
 
 
 def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf_model):

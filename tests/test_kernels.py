@@ -223,10 +223,18 @@ MODEL_ATTENTION_CHILD = r"""
 import torch
 from brisklm.fusion import FusedAttention, fuse_for_decode
 from brisklm.model import ModelArgs, build_model, random_state_dict
-for no_rope in (None, [1, 0]):  # (SmolLM3: a layer without RoPE takes the identity rotation)
+# SmolLM3: a layer without RoPE takes the identity rotation. Gemma 3's shape
+# without its q/k norms: a sliding layer (own RoPE base) and a global one, norms
+# as (1 + w) that stay in front of the Linear, GeGLU, scaled embeddings.
+GEMMA = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=1e4,
+             rope_theta=1e6, hidden_act="gelu_pytorch_tanh", embed_scale=11.3, norm_offset=1.0, sandwich_norms=True)
+for no_rope, extra in ((None, {}), ([1, 0], {}), (None, GEMMA)):
     args = ModelArgs(vocab_size=61, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, no_rope_layers=no_rope)  # head_dim 32
+                     num_attention_heads=4, num_key_value_heads=2, no_rope_layers=no_rope, **extra)  # head_dim 32
     state = random_state_dict(args, torch.float32, std=0.1)
+    for name in state:  # (norm weights away from 1 - offset, so a misplaced offset shows)
+        if name.endswith("norm.weight"):
+            state[name] = state[name] + torch.rand(state[name].shape) * 0.5
     fused, plain = fuse_for_decode(build_model(args, state)), build_model(args, state)
     assert isinstance(fused.layers[1].attention, FusedAttention) and not plain.decode_kernels
     for kv_int8 in (False, True):

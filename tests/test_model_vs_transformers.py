@@ -49,6 +49,16 @@ CASES = {
                                      dict(BASE, num_key_value_heads=2, no_rope_layers=[1, 0], rope_theta=5e6,
                                           pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                           tie_word_embeddings=True)),
+    "gemma3-sliding-and-global-layers": ("Gemma3TextConfig", "Gemma3ForCausalLM",  # (1 + w) norms, GeGLU,
+                                         dict(BASE, num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
+                                              query_pre_attn_scalar=24, sliding_window=6,
+                                              layer_types=["sliding_attention", "full_attention",
+                                                           "sliding_attention"],
+                                              rope_parameters={
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                  "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                     "rope_theta": 1e6}},
+                                              pad_token_id=0, bos_token_id=2, eos_token_id=1)),
 }
 
 
@@ -110,3 +120,61 @@ def test_decode_with_exact_kv_len_matches_full_cache(tmp_path):
         full = model(ids[:, 9:], torch.tensor([9]))
         sliced = model(ids[:, 9:], torch.tensor([9]), kv_len=10)
     assert torch.allclose(full, sliced, atol=1e-5)
+
+
+def test_gemma3_config_in_the_older_keys_loads_the_same_model(tmp_path):
+    """Hub configs written before transformers 5 give rope_theta,
+    rope_local_base_freq, rope_scaling and sliding_window_pattern (no
+    layer_types): the same layers and logits as the nested form."""
+    ref = make_folder(tmp_path, "gemma3-sliding-and-global-layers")
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        config.pop(key)
+    config.update(sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ckpt = load(str(tmp_path), dtype=torch.float32)
+    assert ckpt.args.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 64)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(20)) - ref(ids).logits).abs().max().item() <= 1e-4
+
+
+def greedy_reference(ref, prompt, steps):
+    """transformers' own greedy continuation (no cache: every step recomputed)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, ref(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("case", ["gemma3-sliding-and-global-layers", "qwen3-qk-norm-headdim",
+                                  "smollm3-a-layer-without-rope", "phi3-fused-qkv-and-gate-up"])
+def test_greedy_tokens_over_32_steps_equal_transformers(tmp_path, case):
+    from brisklm.generate import Generator
+    from brisklm.sampling import SamplingParams
+    ref = make_folder(tmp_path, case)
+    ckpt = load(str(tmp_path), dtype=torch.float32)
+    got = list(Generator(build_model(ckpt.args, ckpt.state_dict), 64).tokens([5, 7, 11, 13], 32, SamplingParams()))
+    assert got == greedy_reference(ref, [5, 7, 11, 13], 32)
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_gemma3_compiled_step_gives_the_eager_tokens_in_every_weight_format(tmp_path):
+    """The compiled decode step (flex attention, one block mask per window,
+    two RoPE tables) gives the eager tokens; int8 and int4 run both ways too."""
+    from brisklm.generate import Generator
+    from brisklm.quantize import quantize_state_dict
+    from brisklm.sampling import SamplingParams
+    make_folder(tmp_path, "gemma3-sliding-and-global-layers")
+    ckpt = load(str(tmp_path), dtype=torch.float32)
+    for mode, groupsize in (("none", 0), ("int8", 0), ("int4", 32)):
+        args, state = ((ckpt.args, ckpt.state_dict) if mode == "none" else
+                       quantize_state_dict(ckpt.args, dict(ckpt.state_dict), mode, groupsize))
+        runs = [list(Generator(build_model(args, state), 64, compile=compiled).tokens(
+            [5, 7, 11, 13], 24, SamplingParams())) for compiled in (False, True)]
+        assert runs[0] == runs[1], mode

@@ -96,6 +96,10 @@ HF_FUSED = {
                             "self_attn.v_proj.bias"],
     "feed_forward.w13.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
 }
+# Gemma 3's four norms a layer: the pre-MLP one is ours, the two after are extra
+HF_SANDWICH = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffn_norm.weight": "post_feedforward_layernorm.weight"}
 # ... or stored already fused, in the same order (Phi-3 / Phi-4)
 HF_STORED_FUSED = {"attention.wqkv.weight": "self_attn.qkv_proj.weight",
                    "feed_forward.w13.weight": "mlp.gate_up_proj.weight"}
@@ -136,6 +140,7 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
     part_rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
                  "mlp.gate_proj": a.intermediate_size, "mlp.up_proj": a.intermediate_size}
+    layer_names = {**HF_LAYER, **HF_SANDWICH} if a.sandwich_norms else HF_LAYER
     state = {}
     put = (lambda name, t: state.update(transform(args, name, t))) if transform else state.__setitem__
     for name, shape in tracked(shapes.items(), progress):
@@ -150,8 +155,8 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
         else:
             _, i, local = name.split(".", 2)
             prefix = f"model.layers.{i}."
-            if local in HF_LAYER:
-                put(name, fetch(prefix + HF_LAYER[local], shape))
+            if local in layer_names:
+                put(name, fetch(prefix + layer_names[local], shape))
             elif local in HF_STORED_FUSED and has(prefix + HF_STORED_FUSED[local]):
                 put(name, fetch(prefix + HF_STORED_FUSED[local], shape))
             else:

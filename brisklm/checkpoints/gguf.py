@@ -25,7 +25,8 @@ from . import Checkpoint, assemble_from_hf_names
 # GGUF architectures we run; 'llama' also covers Mistral and SmolLM2 files.
 ARCHITECTURES = {"llama": {"permuted_qk": True, "attention_bias": False},
                  "qwen2": {"permuted_qk": False, "attention_bias": True},
-                 "qwen3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True}}
+                 "qwen3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
+                 "gemma3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True}}
 
 GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
     "attn_norm.weight": "input_layernorm.weight",
@@ -37,6 +38,10 @@ GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
     "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3: llama.cpp's ffn_norm is the norm before the MLP, and two norms follow
+GGUF_SANDWICH = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
@@ -114,6 +119,8 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=ARCHITECTURES[arch]["attention_bias"],
         qk_norm=ARCHITECTURES[arch].get("qk_norm", False))
+    if arch == "gemma3":
+        args.update(gemma3_args(args, get))
     if get("expert_count", 0, required=False):
         raise BriskError(f"{path}: mixture-of-experts GGUF files are not supported yet")
     kind = get("rope.scaling.type", "none", required=False)
@@ -125,6 +132,22 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         return ModelArgs(**args)
     except (TypeError, ValueError) as e:
         raise BriskError(f"{path}: invalid hyper-parameters: {e}") from None
+
+
+def gemma3_args(args: dict, get) -> dict:
+    """What llama.cpp fixes for Gemma 3 rather than stores: every sixth layer
+    global (unless the file lists the pattern), the sliding layers' RoPE base
+    10000, and attention scaled by head_dim**-0.5, or by (hidden / heads)**-0.5
+    for the 62-layer 27B model (its query_pre_attn_scalar)."""
+    n = args["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern", 6, required=False)
+    sliding = ([bool(p) for p in pattern] if isinstance(pattern, (list, tuple))
+               else [bool((i + 1) % pattern) for i in range(n)])
+    return dict(sliding_window=get("attention.sliding_window"), rope_local_base_freq=10000.0,
+                layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+                query_pre_attn_scalar=args["hidden_size"] // args["num_attention_heads"] if n == 62
+                else args["head_dim"], hidden_act="gelu_pytorch_tanh",
+                embed_scale=args["hidden_size"] ** 0.5, norm_offset=1.0, sandwich_norms=True)
 
 
 def _check_rope_freqs(args: ModelArgs, tensor, path) -> ModelArgs:
@@ -176,14 +199,15 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
     if plan:
         plan(args)
     arch = meta["general.architecture"]
+    layer_names = {**GGUF_LAYER, **GGUF_SANDWICH} if args.sandwich_norms else GGUF_LAYER
     by_hf = {}
     for name in tensors:
         if name in GGUF_GLOBAL:
             by_hf[GGUF_GLOBAL[name]] = name
         elif name.startswith("blk."):
             _, i, local = name.split(".", 2)
-            if local in GGUF_LAYER:
-                by_hf[f"model.layers.{i}.{GGUF_LAYER[local]}"] = name
+            if local in layer_names:
+                by_hf[f"model.layers.{i}.{layer_names[local]}"] = name
 
     def get(hf_name):
         t = tensors[by_hf[hf_name]]
@@ -192,6 +216,8 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
         except (NotImplementedError, ValueError) as e:
             raise BriskError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name}: {e}") from None
         w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        if args.norm_offset and hf_name.endswith("norm.weight"):
+            w -= args.norm_offset  # (llama.cpp stores Gemma's 1 + w; ours is w, see RMSNorm)
         if ARCHITECTURES[arch]["permuted_qk"]:
             if hf_name.endswith("q_proj.weight"):
                 w = unpermute_qk(w, args.num_attention_heads)
@@ -200,7 +226,7 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
         return w
 
     gguf_names = {v: k for k, v in GGUF_GLOBAL.items()}
-    gguf_names.update({v: k for k, v in GGUF_LAYER.items()})
+    gguf_names.update({v: k for k, v in layer_names.items()})
 
     def file_name(hf_name):
         if hf_name.startswith("model.layers."):

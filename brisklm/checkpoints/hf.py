@@ -18,7 +18,7 @@ from . import Checkpoint, assemble_from_hf_names
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3",
-             "Phi3ForCausalLM": "phi3"}
+             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text"}
 
 
 def read_config(folder: str) -> ModelArgs:
@@ -39,7 +39,10 @@ def read_config(folder: str) -> ModelArgs:
         config.setdefault("attention_bias", True)
     if model_type == "qwen3" or arch == "Qwen3ForCausalLM":
         config["qk_norm"] = True
+    if model_type == "gemma3_text" or arch == "Gemma3ForCausalLM":
+        config = gemma3_config(config, path)
     rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+    rope = rope.get("full_attention", rope)  # (Gemma 3's sliding layers are never scaled)
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind not in ("default", "linear", "llama3"):
         raise BriskError(f"{path}: rope scaling {kind!r} is not supported yet (default, linear, llama3 are)")
@@ -50,6 +53,24 @@ def read_config(folder: str) -> ModelArgs:
         return ModelArgs.from_dict(config)
     except (TypeError, ValueError, KeyError) as e:
         raise BriskError(f"{path}: invalid config: {e}") from None
+
+
+def gemma3_config(config: dict, path: str) -> dict:
+    """Gemma 3's fixed choices as config fields, and its older config keys
+    (sliding_window_pattern, rope_local_base_freq) as ModelArgs reads them."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise BriskError(f"{path}: {key} is not supported yet")
+    n, every = config.get("num_hidden_layers", 26), config.get("sliding_window_pattern", 6)
+    config.setdefault("layer_types", ["sliding_attention" if (i + 1) % every else "full_attention"
+                                      for i in range(n)])
+    config.setdefault("rope_theta", 1e6)
+    config.setdefault("rope_local_base_freq", 1e4)
+    config.setdefault("query_pre_attn_scalar", 256)
+    config.setdefault("hidden_activation", "gelu_pytorch_tanh")
+    return dict(config, qk_norm=True, sandwich_norms=True, norm_offset=1.0,
+                embed_scale=config.get("hidden_size", 2304) ** 0.5,
+                tie_word_embeddings=config.get("tie_word_embeddings", True))
 
 
 class _TensorFiles:
