@@ -365,19 +365,28 @@ class LLM:
             mark_compiled(gen.compile_path)
         return time.perf_counter() - t0
 
-    def score(self, ids: list[int], top: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        """log p(ids[i] | ids[:i]) for i = 1.., from one forward over ids, and
-        at each of those positions the `top` most likely tokens with their
-        log-probabilities (an evaluation's log-likelihoods; the server's logprobs)."""
+    def score(self, ids: list[int], top: int = 0, start: int = 1) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """log p(ids[i] | ids[:i]) for i = start.., and at each of those
+        positions the `top` most likely tokens with their log-probabilities
+        (an evaluation's log-likelihoods; the server's logprobs).
+
+        Keys and values of a prefix shared with what the cache holds are
+        reused (the choices of one question share its context), so only the
+        tokens after it run through the model."""
         gen = self.generator
         if not 1 <= len(ids) <= gen.max_seq_length:
             raise BriskError(f"{len(ids)} tokens to score; the KV cache holds 1..{gen.max_seq_length}")
-        gen.reset()  # (the forward writes the cache from position 0)
-        x = torch.tensor([ids], device=gen.device)
+        start = max(1, start)
+        reuse = 0  # (the logits at start - 1 must be computed)
+        while reuse < min(len(gen.cached), start - 1) and gen.cached[reuse] == ids[reuse]:
+            reuse += 1
+        gen.cached = list(ids[:reuse])
         with torch.no_grad():
-            logits = self.model(x, torch.arange(len(ids), device=gen.device), kv_len=len(ids))[0, :-1]
+            logits = gen.logits(ids[reuse:], reuse)[0, start - 1 - reuse:len(ids) - 1 - reuse]
+        gen.cached = list(ids)
         logp = logits.float().log_softmax(-1)
-        chosen = logp.gather(1, x[0, 1:, None])[:, 0].tolist()
+        targets = torch.tensor(ids[start:], device=logp.device)
+        chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
         if not top:
             return chosen, [[] for _ in chosen]
         values, indices = logp.topk(top, dim=-1)

@@ -130,9 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it")
     q.add_argument("--dtype", default="bfloat16", help="dtype of the tensors left dense")
 
-    e = sub.add_parser("eval", help="perplexity (and KL against the unquantized model)")
+    e = sub.add_parser("eval", help="lm-evaluation-harness tasks, or perplexity (and KL against the "
+                                    "unquantized model)")
     _model_flags(e)
-    e.add_argument("--perplexity", action="store_true", help="(the one evaluation so far)")
+    e.add_argument("--tasks", default=None,
+                   help="comma-separated lm-eval task names or task .yaml files (needs the eval extra); "
+                        "without it, perplexity")
+    e.add_argument("--num_fewshot", type=int, default=None)
+    e.add_argument("--limit", type=_positive_int, default=None, help="at most this many examples a task")
+    e.add_argument("--include_path", default=None, help="a folder of task .yaml files of your own")
+    e.add_argument("--output", default=None, help="write the harness's results here as JSON")
+    e.add_argument("--perplexity", action="store_true", help="(the default without --tasks)")
     e.add_argument("--text", default=None, help="a UTF-8 text file (default: pydoc_data.topics)")
     e.add_argument("--max_tokens", type=_positive_int, default=8192)
     e.add_argument("--window", type=_positive_int, default=512)
@@ -395,6 +403,8 @@ def cmd_eval(args):
     import torch
     from .api import load, log
     from .evaluate import default_text, perplexity, perplexity_and_kl
+    if args.tasks:
+        return eval_tasks(args)
     if args.text:  # read before the model loads: a bad path fails at once
         try:
             with open(args.text, encoding="utf-8") as f:
@@ -416,6 +426,27 @@ def cmd_eval(args):
               f"mean KL divergence {kl:.5f}")
     else:
         print(f"perplexity {perplexity(llm.model, ids, args.window):.4f}")
+
+
+def eval_tasks(args):
+    try:
+        from . import harness
+    except ImportError as e:
+        raise BriskError(f"brisk eval --tasks needs lm-evaluation-harness ({e.name} is missing): "
+                         f"pip install 'brisklm[eval]'") from None
+    import json
+    from lm_eval.utils import make_table
+    from .api import log, progress_bar
+    tasks = [t for t in args.tasks.split(",") if t]
+    harness.task_names_and_paths(tasks, args.include_path)  # (a bad task file fails before loading)
+    llm = _load(args)
+    log(f"Evaluating {', '.join(tasks)} (lm-evaluation-harness, batch 1)...")
+    results = harness.evaluate(llm, tasks, args.num_fewshot, args.limit, args.include_path, progress=progress_bar)
+    print(make_table(results))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump({k: results[k] for k in ("results", "versions", "n-shot", "config") if k in results},
+                      f, indent=2, default=str)
 
 
 def cmd_bench(args):

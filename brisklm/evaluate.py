@@ -34,11 +34,17 @@ def _window_logits(model, ids: torch.Tensor, window: int):
         yield logits[0].float().cpu(), chunk[1:]
 
 
-def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
+def negative_log_likelihood(model, ids: torch.Tensor, window: int = 512) -> tuple[float, int]:
+    """(sum of -log p(ids[i] | the window's ids before i), count) over ids[1:]."""
     nll, count = 0.0, 0
     for logits, targets in _window_logits(model, ids, window):
         nll += F.cross_entropy(logits, targets, reduction="sum").item()
         count += targets.numel()
+    return nll, count
+
+
+def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
+    nll, count = negative_log_likelihood(model, ids, window)
     return math.exp(nll / count)
 
 

@@ -1,0 +1,161 @@
+"""lm-evaluation-harness through brisk eval --tasks, on the bundled SmolLM2.
+
+The harness's requests are answered by the engine (api.LLM.score and its
+generation); the numbers are checked against the engine's own perplexity
+path (evaluate.negative_log_likelihood: plain windows of one forward each,
+its own model instance), in fp32, to 1e-4."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+import brisklm  # noqa: E402
+from brisklm.evaluate import negative_log_likelihood  # noqa: E402
+from brisklm.harness import BriskLM  # noqa: E402
+
+QUESTIONS = [("What is the capital of France?", [" Paris", " Berlin", " Madrid"], 0),
+             ("How many legs does a spider have?", [" six", " eight", " ten"], 1),
+             ("What color is the sky on a clear day?", [" green", " red", " blue"], 2)]
+
+
+class Request:  # (the harness's Instance: its args are all the model reads)
+    def __init__(self, *args):
+        self.args = args
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_gguf):
+    """A second fp32 model: the perplexity path sets its own caches."""
+    return brisklm.load(smollm2_gguf, device="cpu", dtype="float32", quantize="none", quiet=True).model
+
+
+def reference_logprob(reference, ids, start):
+    """log p(ids[start:] | ids[:start]) from plain forwards over ids and over its prefix."""
+    whole, _ = negative_log_likelihood(reference, torch.tensor(ids), window=len(ids))
+    head, _ = negative_log_likelihood(reference, torch.tensor(ids[:start]), window=len(ids)) if start > 1 else (0, 0)
+    return -(whole - head)
+
+
+def test_loglikelihoods_equal_the_perplexity_path_and_reuse_the_shared_context(smol_llm, reference):
+    lm = BriskLM(smol_llm)
+    for question, choices, _ in QUESTIONS:
+        context = f"Question: {question}\nAnswer:"
+        got = lm.loglikelihood([Request(context, c) for c in choices])
+        for choice, (logprob, greedy) in zip(choices, got):
+            ctx, cont = lm.pair(context, choice)
+            assert ctx + cont == lm.encode(context + choice)  # (no BOS for SmolLM2)
+            assert abs(logprob - reference_logprob(reference, ctx + cont, len(ctx))) <= 1e-4
+        # the cache holds the last request, whose context the next choice reuses
+        assert smol_llm.generator.cached == lm.encode(context + choices[-1])
+    # an answer the model would give itself is greedy
+    context = "The capital of France is"
+    best = smol_llm.generate(context, max_new_tokens=1, temperature=0)
+    assert lm.loglikelihood([Request(context, best)])[0][1]
+    assert not lm.loglikelihood([Request(context, " the moon and a bicycle")])[0][1]
+
+
+def test_rolling_loglikelihood_covers_every_token_once_in_windows_of_the_cache(smol_llm, reference):
+    text = "The river rises in the hills north of the town and runs south through fields of wheat. " * 6
+    lm = BriskLM(smol_llm)
+    ids = [lm.prefix_id] + lm.encode(text)
+    (whole,) = [lm.loglikelihood_rolling([Request(text)])[0]]
+    assert abs(whole + negative_log_likelihood(reference, torch.tensor(ids), window=len(ids))[0]) <= 1e-4
+    lm.max_length = 32  # windows: the first predicts 32 tokens from the prefix on, the last has a full context
+    windowed = lm.loglikelihood_rolling([Request(text)])[0]
+    step = negative_log_likelihood(reference, torch.tensor(ids[:len(ids) - (len(ids) - 1) % 32]), window=32)[0]
+    tail = (len(ids) - 1) % 32
+    last = reference_logprob(reference, ids[-33:], 33 - tail) if tail else 0.0
+    assert abs(windowed - (-step + last)) <= 1e-4
+    assert abs(windowed - whole) > 1e-3  # (shorter contexts score differently)
+
+
+def test_generate_until_is_the_engine_generation_cut_before_a_stop(smol_llm):
+    lm = BriskLM(smol_llm)
+    context = "List three fruits: apple,"
+    got = lm.generate_until([Request(context, {"until": [","], "max_gen_toks": 10, "do_sample": False})])
+    assert got == [smol_llm.generate(context, max_new_tokens=10, stop=[","], temperature=0)]
+    assert "," not in got[0]
+
+
+MC_TASK = """task: brisk_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+GEN_TASK = """task: brisk_tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "List three fruits: {{{{first}}}},"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: [","]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+"""
+
+
+@pytest.mark.slow
+def test_brisk_eval_runs_local_multiple_choice_and_generation_tasks(tmp_path, smollm2_gguf):
+    with open(tmp_path / "mc.jsonl", "w") as f:
+        for question, choices, answer in QUESTIONS:
+            f.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
+    (tmp_path / "gen.jsonl").write_text(json.dumps({"first": "apple", "answer": " banana"}) + "\n")
+    (tmp_path / "mc.yaml").write_text(MC_TASK.format(data=tmp_path / "mc.jsonl"))
+    (tmp_path / "gen.yaml").write_text(GEN_TASK.format(data=tmp_path / "gen.jsonl"))
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, "-m", "brisklm", "eval", "--checkpoint_path", smollm2_gguf,
+                           "--dtype", "float32", "--quantize", "none",
+                           "--tasks", f"{tmp_path / 'mc.yaml'},{tmp_path / 'gen.yaml'}", "--output", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert 0 <= results["brisk_tiny_mc"]["acc,none"] <= 1
+    assert results["brisk_tiny_gen"]["exact_match,none"] in (0.0, 1.0)
+    assert "brisk_tiny_mc" in done.stdout and "Traceback" not in done.stderr
+    # (the model's own answers, scored in process, give the same accuracy)
+    llm = brisklm.load(smollm2_gguf, device="cpu", dtype="float32", quantize="none", quiet=True)
+    lm = BriskLM(llm)
+    right = 0
+    for question, choices, answer in QUESTIONS:
+        scores = [s for s, _ in lm.loglikelihood([Request(f"Question: {question}\nAnswer:", c) for c in choices])]
+        right += max(range(len(choices)), key=scores.__getitem__) == answer
+    assert results["brisk_tiny_mc"]["acc,none"] == pytest.approx(right / len(QUESTIONS))
+
+
+def test_without_lm_eval_the_command_says_so_in_one_line(tmp_path):
+    code = ("import sys; sys.modules['lm_eval'] = None\n"
+            "from brisklm.cli import main; sys.exit(main(['eval', '--tasks', 'hellaswag']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pip install 'brisklm[eval]'" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_task_file_without_a_name_is_one_line_naming_it(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dataset_path: json\n")
+    done = subprocess.run([sys.executable, "-m", "brisklm", "eval", "--tasks", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "bad.yaml" in done.stderr and "Traceback" not in done.stderr
