@@ -193,9 +193,9 @@ def hf_peer_figures(llm, prompt_len, new_tokens, samples, static=True, ttft_leng
     token also for prompts of ttft_lengths tokens."""
     import transformers
     args, device = llm.model.args, llm.generator.device
-    if args.qk_norm or args.sandwich_norms or args.no_rope_layers or args.attention_bias:
+    if args.qk_norm or args.sandwich_norms or args.no_rope_layers or args.attention_bias or args.num_local_experts:
         raise BriskError("--peer hf runs transformers' LlamaForCausalLM: it compares Llama-architecture "
-                         "models only (this one has q/k norms, extra norms, layers without RoPE or biases)")
+                         "models only (this one has q/k norms, extra norms, layers without RoPE, biases or experts)")
     config = transformers.LlamaConfig(**{k: v for k, v in args.to_dict().items()
                                          if k not in ("num_local_experts", "num_experts_per_tok", "sliding_window")})
     with torch.device("meta"):

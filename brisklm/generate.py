@@ -171,7 +171,10 @@ def weight_bytes_per_token(model: Transformer) -> int:
         if "kv_cache" in name or name.startswith("rope_"):
             continue
         rows = t[0] if name.startswith("tok_embeddings.") else t
-        read[id(t)] = max(read.get(id(t), 0), rows.numel() * t.element_size())
+        share = 1.0  # (an MoE layer reads its chosen experts only)
+        if ".experts." in name:
+            share = model.args.num_experts_per_tok / model.args.num_local_experts
+        read[id(t)] = max(read.get(id(t), 0), int(rows.numel() * t.element_size() * share))
     return sum(read.values())
 
 
@@ -241,7 +244,9 @@ class Generator:
                 self._decode = precompiled(decode_one_token, options, self.compile_path)
             else:
                 self._decode = torch.compile(decode_one_token, fullgraph=True, options=options)
-        if compile_prefill:  # dynamic lengths: a new prompt length does not compile again
+        moe = model.args.num_local_experts > 0
+        if compile_prefill and not moe:  # dynamic lengths: a new prompt length does not compile again
+            # (an MoE prefill groups tokens by expert on the host: it runs uncompiled)
             options = compile_options or {}
             self._prefill = precompiled(prefill, options, artifacts_path(model, options, "prefill"), dynamic=True)
         # On CUDA a prompt of up to PREFILL_BUCKETS[-1] new tokens is padded to
@@ -250,7 +255,7 @@ class Generator:
         # So are a speculative step's verify forward and draft steps (`logits`).
         self.graphed_prefill = self.graphed_forward = None
         if self.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0":
-            self.graphed_prefill, self.graphed_forward = replayed(self._prefill), replayed(forward)
+            self.graphed_prefill, self.graphed_forward = None if moe else replayed(self._prefill), replayed(forward)
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):

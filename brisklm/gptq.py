@@ -82,6 +82,8 @@ def gptq_quantize_state_dict(args, state: dict, calibration: list[list[int]], gr
 
     calibration: token id sequences (e.g. a few thousand tokens of text)."""
     from dataclasses import replace
+    if args.num_local_experts:
+        raise ValueError("GPTQ of mixture-of-experts models is not supported yet (int4 RTN is: --mode int4)")
     calibration = [list(s) for s in calibration if len(s) > 1]
     if not calibration:
         raise ValueError("GPTQ needs calibration sequences of at least 2 tokens")

@@ -60,9 +60,14 @@ class ModelArgs:
     norm_offset: float = 0.0
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
-    # Mixture of experts (Mixtral) is a block choice; 0 means a dense MLP.
+    # Mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is num_local_experts
+    # experts of moe_intermediate_size (None: intermediate_size), num_experts_per_tok
+    # of them chosen per token, their router weights renormalized (norm_topk_prob)
+    # or not; 0 experts means a dense MLP.
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -79,8 +84,9 @@ class ModelArgs:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
-        if self.num_local_experts:
-            raise ValueError("mixture-of-experts models are not supported yet")
+        if self.num_local_experts and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} is not in 1.."
+                             f"{self.num_local_experts} (num_local_experts)")
         if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
             raise ValueError(f"no_rope_layers has {len(self.no_rope_layers)} entries for "
                              f"{self.num_hidden_layers} layers")
@@ -106,6 +112,7 @@ class ModelArgs:
         """Build from a Hugging Face config.json dict (unknown keys ignored)."""
         config = dict(config)
         config.setdefault("hidden_act", config.get("hidden_activation"))
+        config.setdefault("num_local_experts", config.get("num_experts"))  # (Qwen3-MoE's name)
         # transformers >= 5 nests rope_theta and the scaling in rope_parameters
         # (Gemma 3: one entry for the full and one for the sliding layers).
         rope = config.pop("rope_parameters", None) or {}
@@ -341,6 +348,86 @@ class FeedForward(nn.Module):
         return self.w2(self.act(gate) * up)
 
 
+class MoEFeedForward(nn.Module):
+    """Mixture of experts (Mixtral, Qwen3-MoE): a router (`gate`) picks
+    num_experts_per_tok of the SwiGLU `experts` for each token, and their
+    outputs are summed, weighted by the router's softmax at the chosen ones
+    (renormalized over them with norm_topk_prob).
+
+    Each expert is a FeedForward whose weights are in any format. Where the
+    host may read which experts were chosen (eager, on a CPU or in a GPU's
+    prefill), tokens are grouped by expert and each chosen expert runs once
+    (`by_expert`). Inside a compiled step or a CUDA graph, nothing may go to
+    the host: `prepare` has stacked every expert's tensors into one tensor
+    per name, and each token's chosen experts are indexed on the device
+    (`by_slot`), so a decode step reads only the chosen experts' weights."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k, self.renormalize = args.num_experts_per_tok, args.norm_topk_prob
+        self.gate = Linear(args.hidden_size, args.num_local_experts, bias=False)
+        expert = ModelArgs(**{**args.to_dict(), "num_local_experts": 0,
+                              "intermediate_size": args.moe_intermediate_size or args.intermediate_size})
+        self.experts = nn.ModuleList(FeedForward(expert) for _ in range(args.num_local_experts))
+        self.stacked: dict[str, torch.Tensor] | None = None
+
+    def route(self, x):
+        """x (M, C) -> router weights (M, k) fp32 and the chosen experts (M, k)."""
+        weights, chosen = self.gate(x).float().softmax(-1).topk(self.top_k, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True) if self.renormalize else weights), chosen
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.route(rows)
+        on_device = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        y = (self.by_slot if on_device else self.by_expert)(rows, weights, chosen)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def by_expert(self, x, weights, chosen):
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in chosen.unique().tolist():
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            y.index_add_(0, token, self.experts[e](x[token]).float() * weights[token, slot, None])
+        return y
+
+    def by_slot(self, x, weights, chosen):
+        if self.stacked is None:
+            self.stack()
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for m in range(x.shape[0]):
+            for j in range(self.top_k):
+                e = chosen[m, j:j + 1]  # (a tensor index: no host read)
+                tensors = {name: t.index_select(0, e)[0] for name, t in self.stacked.items()}
+                out = torch.func.functional_call(self.experts[0], tensors, (x[m:m + 1],))
+                y[m] += out[0].float() * weights[m, j]
+        return y
+
+    def stack(self):
+        """One (num_experts, ...) tensor per expert tensor name; each expert's
+        own becomes a view into it (the weights stay in memory once)."""
+        names = [n for n, _ in self.experts[0].named_parameters()] + [n for n, _ in self.experts[0].named_buffers()]
+        self.stacked = {}
+        for name in names:
+            path, attr = name.rsplit(".", 1)
+            owners = [expert.get_submodule(path) for expert in self.experts]
+            stacked = torch.stack([getattr(owner, attr) for owner in owners])
+            for e, owner in enumerate(owners):
+                if isinstance(getattr(owner, attr), nn.Parameter):
+                    setattr(owner, attr, nn.Parameter(stacked[e], requires_grad=False))
+                else:
+                    setattr(owner, attr, stacked[e])
+            self.stacked[name] = stacked
+
+    def prepare(self, device, compiled=False):
+        """Lay each expert's formats out for the device, then stack them."""
+        for expert in self.experts:
+            for module in expert.modules():
+                if isinstance(module, WeightFormat):
+                    module.prepare(device, compiled)
+        self.stacked = None
+        self.stack()
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
@@ -348,7 +435,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = norm()
         self.attention = Attention(args, layer)
         self.ffn_norm = norm()
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoEFeedForward(args) if args.num_local_experts else FeedForward(args)
         if args.sandwich_norms:
             self.post_attention_norm, self.post_ffn_norm = norm(), norm()
 
@@ -388,10 +475,10 @@ class Transformer(nn.Module):
         """Lay every weight format out for `device` (by default where the model
         is; compiled: for a compiled decode step). Call it after moving the model."""
         device = torch.device(device or self.device)
-        todo = [self]
-        while todo:  # (a format's own modules are its business)
+        todo = list(self.children())
+        while todo:  # (a format's own modules are its business, and the experts' theirs)
             module = todo.pop()
-            if isinstance(module, WeightFormat):
+            if isinstance(module, (WeightFormat, MoEFeedForward)):
                 module.prepare(device, compiled)
             else:
                 todo.extend(module.children())
@@ -434,8 +521,9 @@ class Transformer(nn.Module):
         kv_len (known on the host) and compiled decode steps a one-row
         block mask for each of `windows` ({window: BlockMask}, see
         decode_block_mask), whose flex-attention kernel skips the empty
-        blocks; with neither, attention covers the whole cache, masked. (With decode_kernels, one token's attention reads the length
-        on the device and ignores both.)
+        blocks; with neither, attention covers the whole cache, masked.
+        (With decode_kernels, one token's attention reads the length on the
+        device and ignores both.)
 
         depth runs the first `depth` layers only, then the final norm and the
         output layer: the target's own shallow draft (speculative.py)."""
@@ -520,8 +608,14 @@ def canonical_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         names[p + "ffn_norm.weight"] = (a.hidden_size,)
         if a.sandwich_norms:
             names[p + "post_attention_norm.weight"] = names[p + "post_ffn_norm.weight"] = (a.hidden_size,)
-        names[p + "feed_forward.w13.weight"] = (2 * a.intermediate_size, a.hidden_size)
-        names[p + "feed_forward.w2.weight"] = (a.hidden_size, a.intermediate_size)
+        mlps, inner = [p + "feed_forward."], a.intermediate_size
+        if a.num_local_experts:
+            names[p + "feed_forward.gate.weight"] = (a.num_local_experts, a.hidden_size)
+            mlps, inner = [f"{p}feed_forward.experts.{e}." for e in range(a.num_local_experts)], \
+                a.moe_intermediate_size or a.intermediate_size
+        for mlp in mlps:
+            names[mlp + "w13.weight"] = (2 * inner, a.hidden_size)
+            names[mlp + "w2.weight"] = (a.hidden_size, inner)
     return names
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import FORMATS, Format, WeightFormat, format_entries
+from .model import FORMATS, Format, WeightFormat, canonical_names, format_entries
 from .modes import GROUP_SIZES, RTN_MODES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -41,12 +41,19 @@ LINEARS = ("attention.wqkv.weight", "attention.wo.weight", "feed_forward.w13.wei
 
 
 def quantized_linear_names(args) -> list[str]:
-    """The Linear weights quantization applies to (the embedding stays dense)."""
-    return [f"layers.{i}.{local}" for i in range(args.num_hidden_layers) for local in LINEARS] + ["output.weight"]
+    """The Linear weights quantization applies to (the embedding and the
+    experts' routers stay dense); the output layer's also where it is tied."""
+    layers = [name for name in canonical_names(args) if name.startswith("layers.") and is_quantized_linear(name)]
+    return layers + ["output.weight"]
 
 
 def is_quantized_linear(name: str) -> bool:
-    return name == "output.weight" or (name.startswith("layers.") and name.split(".", 2)[2] in LINEARS)
+    if name == "output.weight":
+        return True
+    local = name.split(".", 2)[2] if name.startswith("layers.") else ""
+    if local.startswith("feed_forward.experts."):  # "feed_forward.experts.3.w13.weight"
+        local = "feed_forward." + local.split(".", 3)[3]
+    return local in LINEARS
 
 
 # --- the formats ----------------------------------------------------------------

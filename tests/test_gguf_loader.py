@@ -57,7 +57,7 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                  "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                  "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
         per_layer.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})
     if arch == "gemma3":  # llama.cpp: norms stored as 1 + w; the window, the pattern, the rope scaling
         per_layer.update({"post_attention_layernorm": "post_attention_norm",
@@ -69,6 +69,24 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
+    experts = getattr(c, "num_local_experts", 0) or 0
+    if experts:  # llama.cpp's MoE layout: the router, and each projection's experts in one tensor
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        inner = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(inner)
+            w.add_expert_weights_norm(bool(c.norm_topk_prob))
+        for key in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            per_layer.pop(key)
+        per_layer["mlp.gate"] = "ffn_gate_inp"
+        for i in range(c.num_hidden_layers):  # (transformers holds them as gate_up_proj, down_proj)
+            p = f"model.layers.{i}."
+            gate_up = sd[p + "mlp.experts.gate_up_proj"]
+            stacked = {"ffn_gate_exps": gate_up[:, :inner], "ffn_up_exps": gate_up[:, inner:],
+                       "ffn_down_exps": sd[p + "mlp.experts.down_proj"]}
+            for gg, t in stacked.items():
+                sd[p + gg], names[p + gg] = t, f"blk.{i}.{gg}.weight"
     for i in range(c.num_hidden_layers):
         for hf, gg in per_layer.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
@@ -199,6 +217,30 @@ def test_gemma3_gguf_matches_transformers_logits(tmp_path):
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"], ids=["mixtral", "qwen3moe"])
+def test_moe_gguf_in_llama_cpp_stacked_expert_layout_matches_transformers(tmp_path, arch):
+    """Mixtral (architecture llama with expert_count) and Qwen3-MoE written as
+    llama.cpp writes them (ffn_gate_inp, and ffn_gate_exps / ffn_up_exps /
+    ffn_down_exps holding every expert): logits equal transformers' to 1e-4."""
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = transformers.MixtralConfig(**CONFIG, num_local_experts=4, num_experts_per_tok=2,
+                                            tie_word_embeddings=False)
+        model = transformers.MixtralForCausalLM(config).eval()
+    else:
+        config = transformers.Qwen3MoeConfig(**CONFIG, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=False)
+        model = transformers.Qwen3MoeForCausalLM(config).eval()
+    write_gguf(model, tmp_path / "moe.gguf", arch=arch)
+    ckpt = load(str(tmp_path / "moe.gguf"), dtype=torch.float32)
+    assert ckpt.args.num_local_experts == 4 and ckpt.args.num_experts_per_tok == 2
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 32)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(12)) - model(ids).logits).abs().max() <= 1e-4
 
 
 def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf_model):

@@ -59,6 +59,13 @@ CASES = {
                                                   "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                      "rope_theta": 1e6}},
                                               pad_token_id=0, bos_token_id=2, eos_token_id=1)),
+    "mixtral-4-experts-top2": ("MixtralConfig", "MixtralForCausalLM",  # the router's weights renormalized
+                               dict(BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                    rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
+    "qwen3-moe-not-renormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",  # expert size of its own
+                                   dict(BASE, num_key_value_heads=2, head_dim=32, num_experts=5,
+                                        num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
+                                        tie_word_embeddings=False)),
 }
 
 
@@ -152,7 +159,8 @@ def greedy_reference(ref, prompt, steps):
 
 
 @pytest.mark.parametrize("case", ["gemma3-sliding-and-global-layers", "qwen3-qk-norm-headdim",
-                                  "smollm3-a-layer-without-rope", "phi3-fused-qkv-and-gate-up"])
+                                  "smollm3-a-layer-without-rope", "phi3-fused-qkv-and-gate-up",
+                                  "mixtral-4-experts-top2", "qwen3-moe-not-renormalized"])
 def test_greedy_tokens_over_32_steps_equal_transformers(tmp_path, case):
     from brisklm.generate import Generator
     from brisklm.sampling import SamplingParams
@@ -164,13 +172,16 @@ def test_greedy_tokens_over_32_steps_equal_transformers(tmp_path, case):
 
 @pytest.mark.compile
 @pytest.mark.slow
-def test_gemma3_compiled_step_gives_the_eager_tokens_in_every_weight_format(tmp_path):
-    """The compiled decode step (flex attention, one block mask per window,
-    two RoPE tables) gives the eager tokens; int8 and int4 run both ways too."""
+@pytest.mark.parametrize("case", ["gemma3-sliding-and-global-layers", "mixtral-4-experts-top2"])
+def test_compiled_step_gives_the_eager_tokens_in_every_weight_format(tmp_path, case):
+    """The compiled decode step gives the eager tokens, in fp32, int8 and int4:
+    Gemma 3's (flex attention, one block mask per window, two RoPE tables),
+    Mixtral's (each token's experts indexed on the device, where the eager
+    step groups tokens by expert on the host)."""
     from brisklm.generate import Generator
     from brisklm.quantize import quantize_state_dict
     from brisklm.sampling import SamplingParams
-    make_folder(tmp_path, "gemma3-sliding-and-global-layers")
+    make_folder(tmp_path, case)
     ckpt = load(str(tmp_path), dtype=torch.float32)
     for mode, groupsize in (("none", 0), ("int8", 0), ("int4", 32)):
         args, state = ((ckpt.args, ckpt.state_dict) if mode == "none" else

@@ -8,7 +8,7 @@ from brisklm.checkpoints import load
 from brisklm.checkpoints.native import save_native
 from brisklm.evaluate import default_text, perplexity_and_kl
 from brisklm.model import ModelArgs, build_model, random_state_dict
-from brisklm.quantize import (dequantize, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
+from brisklm.quantize import (dequantize, quantized_linear_names, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
                               quantize_state_dict, quantized_entries, quantized_linear,
                               unpack_int4)
 
@@ -113,6 +113,41 @@ def test_quantized_model_with_attention_bias_matches_its_dequantized_weights():
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
         assert torch.allclose(a(ids, torch.arange(4)), b(ids, torch.arange(4)), atol=1e-4)
+
+
+MOE = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp8"])
+def test_quantized_experts_compute_with_their_dequantized_weights_either_way(mode):
+    """Every expert's matrices are quantized (the router stays dense), and an MoE
+    layer computes with the dequantized weights whether tokens are grouped by
+    expert (eager) or each token's experts are indexed on the device (by_slot)."""
+    state = random_state_dict(MOE, torch.float32, std=0.1)
+    qargs, qstate = quantize_state_dict(MOE, state, mode, 32)
+    assert "layers.1.feed_forward.experts.3.w2.weight_" + ("int4" if mode == "int4" else mode) in qstate
+    assert "layers.1.feed_forward.gate.weight" in qstate
+    dense = {k: v for k, v in qstate.items() if not k.endswith(("_int4", "_int8", "_fp8", "_scale", "_zero"))}
+    for name in quantized_linear_names(qargs) + ["tok_embeddings.weight"]:
+        if quantized_entries(qstate, name):
+            dense[name] = dequantize(quantized_entries(qstate, name))
+    a, b = build_model(qargs, qstate).prepare("cpu"), build_model(qargs, dense)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    for m in (a, b):
+        m.setup_caches(1, 16)
+    with torch.no_grad():
+        assert torch.allclose(a(ids, torch.arange(5)), b(ids, torch.arange(5)), atol=1e-4)
+        ffn, x = a.layers[0].feed_forward, torch.randn(3, 64)
+        weights, chosen = ffn.route(x)
+        assert torch.allclose(ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen), atol=1e-5)
+
+
+def test_quantized_moe_checkpoint_round_trip_is_bit_exact(tmp_path):
+    qargs, state = quantize_state_dict(MOE, random_state_dict(MOE, torch.float32, std=0.1), "int4", 32)
+    save_native(str(tmp_path), qargs, state, None, quantization={"mode": "int4"})
+    again = load(str(tmp_path), dtype=torch.float32)
+    assert again.args == qargs and all(torch.equal(again.state_dict[k], t) for k, t in state.items())
 
 
 # --- GGUF Q4_1 blocks kept as int4 --------------------------------------------------

@@ -100,6 +100,11 @@ HF_FUSED = {
 HF_SANDWICH = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "post_ffn_norm.weight": "post_feedforward_layernorm.weight"}
+# Mixture-of-experts layers: the router and each expert's parts (gate rows, then up)
+HF_MIXTRAL = {"gate.weight": "block_sparse_moe.gate.weight", "experts": "block_sparse_moe.experts.",
+              "w13.weight": ["w1.weight", "w3.weight"], "w2.weight": ["w2.weight"]}
+HF_MOE = {"gate.weight": "mlp.gate.weight", "experts": "mlp.experts.",  # Qwen3-MoE
+          "w13.weight": ["gate_proj.weight", "up_proj.weight"], "w2.weight": ["down_proj.weight"]}
 # ... or stored already fused, in the same order (Phi-3 / Phi-4)
 HF_STORED_FUSED = {"attention.wqkv.weight": "self_attn.qkv_proj.weight",
                    "feed_forward.w13.weight": "mlp.gate_up_proj.weight"}
@@ -141,6 +146,12 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
     part_rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
                  "mlp.gate_proj": a.intermediate_size, "mlp.up_proj": a.intermediate_size}
     layer_names = {**HF_LAYER, **HF_SANDWICH} if a.sandwich_norms else HF_LAYER
+    experts = {}  # an MoE layer's tensors: Mixtral's block_sparse_moe names, or Qwen3-MoE's mlp ones
+    if a.num_local_experts:
+        mixtral = has("model.layers.0.block_sparse_moe.gate.weight")
+        experts = dict(HF_MIXTRAL if mixtral else HF_MOE)
+        part_rows.update({p.rsplit(".", 1)[0]: a.moe_intermediate_size or a.intermediate_size
+                          for p in experts["w13.weight"]})
     state = {}
     put = (lambda name, t: state.update(transform(args, name, t))) if transform else state.__setitem__
     for name, shape in tracked(shapes.items(), progress):
@@ -155,6 +166,15 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
         else:
             _, i, local = name.split(".", 2)
             prefix = f"model.layers.{i}."
+            if local == "feed_forward.gate.weight":
+                put(name, fetch(prefix + experts["gate.weight"], shape))
+                continue
+            if local.startswith("feed_forward.experts."):  # "feed_forward.experts.3.w13.weight"
+                e, part = local.split(".", 3)[2:]
+                prefix, names = f"{prefix}{experts['experts']}{e}.", experts[part]
+                rows = [part_rows[n.rsplit(".", 1)[0]] for n in names] if len(names) > 1 else [shape[0]]
+                put(name, torch.cat([fetch(prefix + n, (r,) + tuple(shape[1:])) for n, r in zip(names, rows)]))
+                continue
             if local in layer_names:
                 put(name, fetch(prefix + layer_names[local], shape))
             elif local in HF_STORED_FUSED and has(prefix + HF_STORED_FUSED[local]):

@@ -26,7 +26,11 @@ from . import Checkpoint, assemble_from_hf_names
 ARCHITECTURES = {"llama": {"permuted_qk": True, "attention_bias": False},
                  "qwen2": {"permuted_qk": False, "attention_bias": True},
                  "qwen3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
-                 "gemma3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True}}
+                 "gemma3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
+                 "qwen3moe": {"permuted_qk": False, "attention_bias": False, "qk_norm": True}}
+# llama.cpp stacks an MoE layer's experts, one tensor per projection
+GGUF_EXPERTS = {"ffn_gate_exps.weight": "w1.weight", "ffn_up_exps.weight": "w3.weight",
+                "ffn_down_exps.weight": "w2.weight"}
 
 GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
     "attn_norm.weight": "input_layernorm.weight",
@@ -37,6 +41,7 @@ GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
     "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",  # an MoE layer's router
 }
 # Gemma 3: llama.cpp's ffn_norm is the norm before the MLP, and two norms follow
 GGUF_SANDWICH = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -108,8 +113,11 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
     if not vocab:
         raise BriskError(f"{path}: missing metadata field {arch + '.vocab_size'!r} "
                          f"(and no tokenizer.ggml.tokens)")
+    experts = get("expert_count", 0, required=False)
     args = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length"),
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=get("feed_forward_length",
+                              get("expert_feed_forward_length", required=False) if experts else None),
         num_hidden_layers=get("block_count"), num_attention_heads=n_heads,
         num_key_value_heads=get("attention.head_count_kv", n_heads),
         head_dim=get("attention.key_length", hidden // n_heads),
@@ -121,8 +129,10 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         qk_norm=ARCHITECTURES[arch].get("qk_norm", False))
     if arch == "gemma3":
         args.update(gemma3_args(args, get))
-    if get("expert_count", 0, required=False):
-        raise BriskError(f"{path}: mixture-of-experts GGUF files are not supported yet")
+    if experts:  # (llama.cpp renormalizes the chosen experts' weights unless the file says not to)
+        args.update(num_local_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                    moe_intermediate_size=get("expert_feed_forward_length", required=False),
+                    norm_topk_prob=bool(get("expert_weights_norm", True, required=False)))
     kind = get("rope.scaling.type", "none", required=False)
     if kind == "linear":
         args["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
@@ -208,13 +218,24 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
             _, i, local = name.split(".", 2)
             if local in layer_names:
                 by_hf[f"model.layers.{i}.{layer_names[local]}"] = name
+            elif local in GGUF_EXPERTS:  # one expert: (the stacked tensor, its index)
+                for e in range(args.num_local_experts):
+                    by_hf[f"model.layers.{i}.block_sparse_moe.experts.{e}.{GGUF_EXPERTS[local]}"] = (name, e)
+    widened = {}  # the last stacked experts' tensor, dequantized once for all its experts
 
     def get(hf_name):
-        t = tensors[by_hf[hf_name]]
+        name, expert = by_hf[hf_name] if isinstance(by_hf[hf_name], tuple) else (by_hf[hf_name], None)
+        if name in widened:
+            return widened[name][expert].clone()
+        t = tensors[name]
         try:
             data = dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
             raise BriskError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name}: {e}") from None
+        if expert is not None:
+            widened.clear()
+            widened[name] = torch.from_numpy(np.asarray(data, dtype=np.float32))
+            return widened[name][expert].clone()
         w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
         if args.norm_offset and hf_name.endswith("norm.weight"):
             w -= args.norm_offset  # (llama.cpp stores Gemma's 1 + w; ours is w, see RMSNorm)
@@ -229,6 +250,8 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
     gguf_names.update({v: k for k, v in layer_names.items()})
 
     def file_name(hf_name):
+        if isinstance(by_hf.get(hf_name), tuple):
+            return "{} (expert {})".format(*by_hf[hf_name])
         if hf_name.startswith("model.layers."):
             _, _, i, local = hf_name.split(".", 3)
             return f"blk.{i}.{gguf_names[local]}"
@@ -289,6 +312,8 @@ def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=None) 
     from . import hf_parts
     kept = {}
     for name in quantized_linear_names(args):
+        if ".experts." in name:  # (stacked in the file: dequantized, then quantized as asked)
+            continue
         tied = name == "output.weight" and args.tie_word_embeddings
         parts = ["model.embed_tokens.weight"] if tied else hf_parts(name)
         if not all(p in by_hf for p in parts):

@@ -18,7 +18,8 @@ from . import Checkpoint, assemble_from_hf_names
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3",
-             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text"}
+             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text", "MixtralForCausalLM": "mixtral",
+             "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 def read_config(folder: str) -> ModelArgs:
@@ -37,8 +38,13 @@ def read_config(folder: str) -> ModelArgs:
                          f"(supported: {', '.join(SUPPORTED)})")
     if model_type == "qwen2" or arch == "Qwen2ForCausalLM":
         config.setdefault("attention_bias", True)
-    if model_type == "qwen3" or arch == "Qwen3ForCausalLM":
+    if model_type in ("qwen3", "qwen3_moe") or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         config["qk_norm"] = True
+    if model_type == "qwen3_moe" or arch == "Qwen3MoeForCausalLM":
+        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+            raise BriskError(f"{path}: dense layers among the experts' (decoder_sparse_step, mlp_only_layers) "
+                             f"are not supported yet")
+        config.setdefault("norm_topk_prob", False)  # (transformers' default for Qwen3-MoE)
     if model_type == "gemma3_text" or arch == "Gemma3ForCausalLM":
         config = gemma3_config(config, path)
     rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
