@@ -463,6 +463,14 @@ def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop, ends=None) -> Iter
         yield pending
 
 
+def tp_world() -> tuple[int, int, object]:
+    """(rank, world size, group) of the default process group, (0, 1, None) without one."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1, None
+    return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+
+
 def usable_device(device: str) -> str:
     """device, or a one-line error if torch cannot use it here."""
     try:
@@ -478,7 +486,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
          quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False,
          allow_long_context: bool = False, speculate: str | None = None, draft_tokens: int = 4,
          draft_layers: int | None = None, draft_checkpoint_path: str | None = None,
-         draft_quantize: str | None = None, fused_kernels: bool = True) -> LLM:
+         draft_quantize: str | None = None, fused_kernels: bool = True, tensor_parallel: bool | None = None) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -510,7 +518,12 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     from CUDA graphs (Generator.logits).
 
     fused_kernels=False leaves out our Triton kernels on NVIDIA GPUs
-    (fusion.fuse_for_decode): every step in PyTorch ops, to compare."""
+    (fusion.fuse_for_decode): every step in PyTorch ops, to compare.
+
+    tensor_parallel: None (the default) splits the model over the ranks of the
+    default process group when one is initialized with more than one rank
+    (under torchrun: each rank reads only its share, see tp.py); False loads
+    it whole in each process."""
     from .checkpoints import load as load_checkpoint
     quantize = quantize or "none"
     if quantize not in LOAD_MODES:
@@ -533,26 +546,42 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
             transform = quantizer(quantize, groupsize)
         except ValueError as e:
             raise BriskError(str(e)) from None
+    rank, world, group = tp_world() if tensor_parallel is not False else (0, 1, None)
+    if world > 1:
+        from . import tp
+        if quantize == "int4-gptq" or speculate == "draft":
+            raise BriskError("tensor parallelism runs with --quantize none/int8/q8_0/int4/fp8, "
+                             "not GPTQ or a draft model yet")
+        transform = tp.sharder(rank, world, transform)
+
+        def shapes(args):  # one rank's model
+            try:
+                return tp.local_args(args, world)
+            except ValueError as e:
+                raise BriskError(str(e)) from None
+    else:
+        shapes = lambda args: args  # noqa: E731
     t0 = time.perf_counter()
-    as_loaded = f", quantizing to {quantize} tensor by tensor" if transform else ""
+    as_loaded = f", quantizing to {quantize} tensor by tensor" if quantize in RTN_MODES else ""
+    as_loaded += f", rank {rank}'s share of {world}" if world > 1 else ""
     if preset is not None:
         from .presets import preset as get_preset
         try:
             args = get_preset(preset)
         except KeyError as e:
             raise BriskError(str(e.args[0])) from None
-        plan_memory(args, torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length, name=preset,
-                    quiet=quiet)
+        plan_memory(shapes(args), torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
+                    name=preset, quiet=quiet)
         log(f"Building preset {preset} with random weights on {device} ({dtype}){as_loaded}...", quiet)
         with out_of_memory(preset, device, "building the weights"):
             state, tokenizer, name = random_state_dict(args, dtype, device, transform=transform), None, preset
     else:
         from .checkpoints import resolve
         kind, where = resolve(path)
-        keep = quantize in ("gguf", "auto") and kind == "gguf"
+        keep = quantize in ("gguf", "auto") and kind == "gguf" and world == 1  # (tp: blocks are widened, then split)
 
         def plan(args):  # (the reader calls it with the shapes, before any tensor)
-            plan_memory(args, torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
+            plan_memory(shapes(args), torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
                         weights=os.path.getsize(where) if keep else None, name=where, quiet=quiet)
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype}){as_loaded}...", quiet)
         with out_of_memory(where, device, "loading the weights"):
@@ -561,16 +590,20 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
                                    transform=transform,
                                    plan=plan)
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
-    if transform:
+    if quantize in RTN_MODES:
         args = untied(args, state)
-    else:
+    elif world == 1:
         args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
+    args = shapes(args)
     if quantize == "q8_0" and torch.device(device).type == "cpu" and not compile:
         log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", quiet)
     model = build_model(args, state)
     if fused_kernels:
         from .fusion import fuse_for_decode
         fuse_for_decode(model)
+    if world > 1:
+        tp.parallelize(model, group)
+        log(f"Tensor parallel: rank {rank} of {world} holds 1/{world} of each layer", quiet)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", quiet)
     llm = LLM(model, tokenizer, max_seq_length=max_seq_length, compile=compile,
               compile_prefill=compile_prefill, compile_options=compile_options, name=name, kv_int8=kv_int8,

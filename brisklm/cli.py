@@ -45,6 +45,12 @@ def _model_flags(p: argparse.ArgumentParser):
                    help='inductor options as JSON, e.g. \'{"coordinate_descent_tuning": true}\'')
 
 
+def _tp_flag(p: argparse.ArgumentParser):
+    p.add_argument("--tp", type=_positive_int, default=None,
+                   help="tensor parallelism over N processes (runs torchrun for you: one per GPU, or gloo "
+                        "processes with --device cpu); under torchrun the world size is used by itself")
+
+
 def _speculate_flags(p: argparse.ArgumentParser):
     p.add_argument("--speculate", choices=["ngram", "self", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup), self (the model's first layers draft) or "
@@ -84,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="continue a prompt")
     _model_flags(g)
+    _tp_flag(g)
     _speculate_flags(g)
     _sampling_flags(g)
     g.add_argument("--prompt", default="Hello, my name is")
@@ -105,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="decode speed against the device's measured ceilings")
     _model_flags(b)
+    _tp_flag(b)
     b.add_argument("--prompt_tokens", type=int, default=5)
     b.add_argument("--new_tokens", type=int, default=200)
     b.add_argument("--samples", type=_positive_int, default=5)
@@ -478,10 +486,71 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,
             "eval": cmd_eval, "serve": cmd_serve}
 
 
+def launch_tensor_parallel(args, argv) -> int | None:
+    """`--tp N` outside torchrun: run this command under torchrun, N processes."""
+    if not getattr(args, "tp", None) or args.tp == 1 or "WORLD_SIZE" in os.environ:
+        return None
+    import subprocess
+    from .tp import local_args
+    if args.preset:
+        from .presets import preset
+        try:
+            shapes = preset(args.preset)
+        except KeyError as e:
+            raise BriskError(str(e.args[0])) from None
+    else:
+        from .checkpoints import read_args
+        shapes = read_args(args.checkpoint_path)
+    try:  # (a model that does not split fails here, in one line, not in N processes)
+        local_args(shapes, args.tp)
+    except ValueError as e:
+        raise BriskError(f"{args.checkpoint_path or args.preset or 'the default model'}: {e}") from None
+    env = dict(os.environ)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # (NVLink multicast stays off on shared machines)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.tp)))  # (a core each, no banner)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.tp}",
+               "-m", "brisklm", *argv]
+    return subprocess.run(command, env=env).returncode
+
+
+@contextlib.contextmanager
+def tensor_parallel(args):
+    """Under torchrun (WORLD_SIZE > 1): the process group (NCCL on CUDA, gloo on
+    CPUs), this rank's GPU, and quiet ranks but the first."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        yield
+        return
+    if args.command not in ("generate", "bench"):
+        raise BriskError(f"brisk {args.command} does not run tensor-parallel yet (generate and bench do)")
+    if getattr(args, "tp", None) not in (None, world):
+        raise BriskError(f"--tp {args.tp} but torchrun started {world} processes")
+    import torch
+    import torch.distributed as dist
+    from .api import default_device
+    device = args.device or default_device()
+    if device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        args.device = f"cuda:{local}"
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if dist.get_rank() != 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        launched = launch_tensor_parallel(args, argv)
+        if launched is not None:
+            return launched
+        with tensor_parallel(args):
+            COMMANDS[args.command](args)
     except BriskError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

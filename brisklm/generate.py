@@ -240,7 +240,9 @@ class Generator:
             options = {"triton.cudagraphs": cuda, "triton.enable_pdl": cuda,
                        "inductor_choices_class": OnePassReductions, **(compile_options or {})}
             self.compile_path = artifacts_path(model, options)  # (precompile.compiled_before tells)
-            if self.block_mask is None:  # (flex attention's guards do not load back: no precompile with it)
+            # (flex attention's guards do not load back, nor do a tensor-parallel
+            # step's collectives, whose ranks would also write one file: no precompile)
+            if self.block_mask is None and model.tensor_parallel is None:
                 self._decode = precompiled(decode_one_token, options, self.compile_path)
             else:
                 self._decode = torch.compile(decode_one_token, fullgraph=True, options=options)

@@ -460,6 +460,7 @@ class Transformer(nn.Module):
         # when one token's attention reads the filled length on the device,
         # and the GEMVs' tuned blocks.
         self.decode_kernels: dict = {}
+        self.tensor_parallel = None  # the process group, once tp.parallelize has split the model
 
     @property
     def device(self) -> torch.device:

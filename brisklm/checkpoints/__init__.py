@@ -53,6 +53,21 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
     return load_gguf(path, device, dtype, progress, keep_gguf_blocks, transform, plan)
 
 
+class _Shapes(Exception):
+    pass
+
+
+def read_args(path: str | None) -> ModelArgs:
+    """A checkpoint's ModelArgs, its tensors left unread."""
+    def stop(args):
+        raise _Shapes(args)
+    try:
+        load(path, plan=stop)
+    except _Shapes as e:
+        return e.args[0]
+    raise BriskError(f"{path}: no shapes read")  # (every reader calls plan)
+
+
 def resolve(path: str | None) -> tuple[str, str]:
     """(format, path) of a checkpoint: "native", "hf" (folders) or "gguf" (a
     file, or a folder holding one); None is the bundled default model."""

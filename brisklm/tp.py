@@ -1,0 +1,121 @@
+"""Tensor parallelism: one model over N processes (torchrun), each holding 1/N
+of every layer's weights (Megatron-LM's split, Shoeybi et al. 2019).
+
+Each rank builds an ordinary, narrower model: its share of the attention
+heads and of the MLP's (and each expert's) intermediate units, from the
+checkpoint's tensors sliced as they are read (`sharder`, a reader transform:
+no process ever holds the whole model). Then `parallelize` adds the one
+communication the split needs: the outputs of the row-parallel matrices
+(wo, and w2 or the MoE sum) are partial sums, all-reduced once per block half
+through functional collectives, which torch.compile captures in the step's
+graph. Embedding, norms, routers and the output layer are replicated, so
+every rank computes the same logits and samples the same token (the same
+seed on every rank).
+
+The split, for rank r of N:
+- column-parallel (rows of W: outputs): wqkv (its q, k and v blocks each),
+  w13 (gate and up each), their biases;
+- row-parallel (columns of W: inputs): wo, w2; a quantized weight's groups
+  of inputs must not straddle two ranks (in_features / N a multiple of the
+  group), and per-output-channel scales are kept whole.
+Quantized entries are split the same way after quantizing the whole tensor,
+so each rank's weights are exactly the single-process model's slices.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+
+from .model import ModelArgs, canonical_names
+
+COLUMN = ("attention.wqkv.weight", "attention.wqkv.bias", "feed_forward.w13.weight")
+ROW = ("attention.wo.weight", "feed_forward.w2.weight")
+SUFFIXES = ("_int8", "_fp8", "_int4", "_scale", "_zero")
+
+
+def local_args(args: ModelArgs, world: int) -> ModelArgs:
+    """The shapes of one rank's model: 1/world of the heads and intermediate units."""
+    inner = args.moe_intermediate_size or args.intermediate_size
+    for what, n in (("num_attention_heads", args.num_attention_heads),
+                    ("num_key_value_heads", args.num_key_value_heads),
+                    ("intermediate_size", args.intermediate_size),
+                    ("moe_intermediate_size", inner)):
+        if n % world:
+            raise ValueError(f"{what}={n} does not divide by the tensor-parallel world size {world}")
+    return replace(args, num_attention_heads=args.num_attention_heads // world,
+                   num_key_value_heads=args.num_key_value_heads // world,
+                   intermediate_size=args.intermediate_size // world,
+                   moe_intermediate_size=args.moe_intermediate_size and args.moe_intermediate_size // world,
+                   head_dim=args.head_dim)
+
+
+def _split(name: str) -> tuple[str, str | None]:
+    """(canonical weight name, how it splits: "column", "row" or None) of a state-dict entry."""
+    base = next((name[:-len(s)] for s in SUFFIXES if name.endswith(s)), name)
+    base = base if base.endswith((".weight", ".bias")) else base + ".weight"  # ("..._int4" -> "....weight")
+    local = base.split(".", 2)[2] if base.startswith("layers.") else ""
+    if local.startswith("feed_forward.experts."):  # each expert splits as a dense MLP does
+        local = "feed_forward." + local.split(".", 3)[3]
+    return base, "column" if local in COLUMN else "row" if local in ROW else None
+
+
+def shard_entry(args: ModelArgs, name: str, t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s slice of one state-dict entry (a dense tensor or a quantized part)."""
+    base, how = _split(name)
+    if how is None or (how == "row" and t.dim() == 1):  # replicated; a per-channel scale of a row split
+        return t
+    if how == "column":
+        a = args
+        local = base.split(".", 2)[2]
+        blocks = ([a.num_attention_heads * a.head_dim] + [a.num_key_value_heads * a.head_dim] * 2
+                  if local.startswith("attention.") else [t.shape[0] // 2] * 2)
+        rows, start = [], 0
+        for size in blocks:  # each of q / k / v (gate / up) split in N
+            part = size // world
+            rows.append(t[start + rank * part:start + (rank + 1) * part])
+            start += size
+        return torch.cat(rows).contiguous()
+    cols = t.shape[1]
+    if cols % world:
+        raise ValueError(f"{name}: {cols} columns do not divide by the tensor-parallel world size {world} "
+                         f"(a group of inputs would straddle two ranks)")
+    if name.endswith("_int4") and 2 * cols != canonical_names(args)[base][1]:
+        raise ValueError(f"{name}: int4 inputs padded to a whole group cannot be split between ranks")
+    part = cols // world
+    return t[:, rank * part:(rank + 1) * part].contiguous()
+
+
+def sharder(rank: int, world: int, inner=None):
+    """A reader transform (checkpoints.load's): each tensor as read, through
+    `inner` (e.g. the quantizer) first, then sliced to this rank's share."""
+    def transform(args, name, tensor):
+        entries = inner(args, name, tensor) if inner else {name: tensor}
+        return {n: shard_entry(args, n, t, rank, world) for n, t in entries.items()}
+    return transform
+
+
+class AllReduced(nn.Module):
+    """`inner`'s output summed over the ranks (a row-parallel layer's partial sums)."""
+
+    def __init__(self, inner: nn.Module, group):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, x):
+        from torch.distributed import _functional_collectives as funcol
+        return funcol.all_reduce(self.inner(x), "sum", self.group)
+
+
+def parallelize(model, group) -> nn.Module:
+    """Add the all-reduce after each row-parallel part of a rank's model."""
+    for layer in model.layers:
+        layer.attention.wo = AllReduced(layer.attention.wo, group)
+        ffn = layer.feed_forward
+        if hasattr(ffn, "w2"):
+            ffn.w2 = AllReduced(ffn.w2, group)
+        else:  # (an MoE layer: one all-reduce of its experts' summed outputs)
+            layer.feed_forward = AllReduced(ffn, group)
+    model.tensor_parallel = group
+    return model
