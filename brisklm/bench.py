@@ -281,6 +281,7 @@ def run(opts) -> dict:
                compile_options=opts.compile_options, max_seq_length=length, quiet=False,
                quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8,
                allow_long_context=opts.allow_long_context, fused_kernels=getattr(opts, "fused_kernels", True))
+    result["tensor_parallel"] = llm.model.tensor_parallel and torch.distributed.get_world_size()
     result["fused_kernels"] = bool(llm.model.decode_kernels)
     result["decode_attention_kernel"] = llm.model.decode_kernels.get("attention", False)
     if result["fused_kernels"] and not result["decode_attention_kernel"]:
@@ -333,6 +334,7 @@ def run(opts) -> dict:
 def markdown(r: dict) -> str:
     d = r["decode"]
     quant = f", {r['quantize']}" if r.get("quantize") else ""
+    quant += f", tensor parallel over {r['tensor_parallel']} (figures of one rank)" if r.get("tensor_parallel") else ""
     lines = [f"### {r['model']}{quant} on {r['device']} (torch {r['torch']}, {r['date']})", "",
              f"Ceilings measured in the same run: read {r['read_ceiling_gb_s']:.0f} GB/s, "
              f"bf16 matmul {r['matmul_tflops']:.1f} TFLOP/s.", "",
