@@ -130,7 +130,9 @@ def calibration_ids(tokenizer, sequences: int = 8, length: int = 256) -> list[li
 
 
 def _run_block(model, layer, x):
-    t = x.shape[1]
-    pos = torch.arange(t)
-    mask = pos[None, :] <= pos[:, None]
-    return layer(x, model.rope_cos[pos], model.rope_sin[pos], mask, pos)
+    from .model import visible
+    pos = torch.arange(x.shape[1], device=x.device)
+    attention = layer.attention  # (its window and its RoPE table: Gemma 3's differ by layer)
+    table = "rope_local" if attention.local_rope else "rope"
+    cos, sin = getattr(model, table + "_cos")[pos], getattr(model, table + "_sin")[pos]
+    return layer(x, cos, sin, visible(pos[:, None], pos[None, :], attention.window), pos)

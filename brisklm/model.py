@@ -127,6 +127,10 @@ class ModelArgs:
         if scaling is not None:
             scaling = dict(scaling)
             scaling["rope_type"] = scaling.pop("type", None) or scaling.get("rope_type", "default")
+            if scaling["rope_type"] == "su":  # (LongRoPE's first name)
+                scaling["rope_type"] = "longrope"
+            if "original_max_position_embeddings" in config:  # (Phi-3 keeps it beside the scaling)
+                scaling.setdefault("original_max_position_embeddings", config["original_max_position_embeddings"])
             config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
         # Qwen2 lists a window it uses only with use_sliding_window, and then on
         # layers from max_window_layers on (as transformers reads it).
@@ -147,9 +151,22 @@ class ModelArgs:
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def rope_frequencies(args: ModelArgs, local: bool = False) -> torch.Tensor:
+def rope_attention_factor(args: ModelArgs) -> float:
+    """LongRoPE's scale on cos and sin (1 for every other RoPE)."""
+    scaling = args.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or args.max_position_embeddings / original
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_frequencies(args: ModelArgs, local: bool = False, long: bool = False) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,), fp32, with the model's scaling applied
-    (local: the sliding layers' base, which Gemma 3 does not scale)."""
+    (local: the sliding layers' base, which Gemma 3 does not scale; long:
+    LongRoPE's factors for a context past the original one)."""
     dim = args.head_dim
     theta = args.rope_local_base_freq if local else args.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -157,6 +174,8 @@ def rope_frequencies(args: ModelArgs, local: bool = False) -> torch.Tensor:
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "longrope":  # (Phi-3: a factor per frequency, short or long)
+        return inv_freq / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -499,12 +518,16 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
                                                max_seq_length, a.head_dim, dtype, device, self.kv_int8)
         t = torch.arange(max_seq_length, dtype=torch.float32)
+        # LongRoPE's long factors where the cache outgrows the original context
+        # (as llama.cpp chooses by its context; transformers by the positions seen)
+        long = max_seq_length > (a.rope_scaling or {}).get("original_max_position_embeddings", max_seq_length)
         for prefix, local in (("rope", False), ("rope_local", True)):
             if local and a.rope_local_base_freq is None:
                 continue
-            angles = torch.outer(t, rope_frequencies(a, local))  # (S, D/2)
-            self.register_buffer(prefix + "_cos", angles.cos().to(device), persistent=False)
-            self.register_buffer(prefix + "_sin", angles.sin().to(device), persistent=False)
+            angles = torch.outer(t, rope_frequencies(a, local, long))  # (S, D/2)
+            scale = 1.0 if local else rope_attention_factor(a)
+            self.register_buffer(prefix + "_cos", (angles.cos() * scale).to(device), persistent=False)
+            self.register_buffer(prefix + "_sin", (angles.sin() * scale).to(device), persistent=False)
         self.max_seq_length = max_seq_length
 
     @property

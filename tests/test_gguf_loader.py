@@ -69,6 +69,15 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
+    if arch == "phi3":  # fused q/k/v and gate/up; LongRoPE's factors as tensors
+        for key in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            per_layer.pop(key)
+        per_layer.update({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
+        scaling = c.rope_parameters
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        for kind in ("long", "short"):
+            sd[f"rope_factors_{kind}"] = np.array(scaling[f"{kind}_factor"], dtype=np.float32)
+            names[f"rope_factors_{kind}"] = f"rope_factors_{kind}.weight"
     experts = getattr(c, "num_local_experts", 0) or 0
     if experts:  # llama.cpp's MoE layout: the router, and each projection's experts in one tensor
         w.add_expert_count(experts)
@@ -92,7 +101,7 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
     for hf, gg in names.items():
         t = sd[hf] + (1 if arch == "gemma3" and hf.endswith("norm.weight") else 0)
-        if arch != "llama":
+        if arch not in ("llama", "smollm3"):  # (whose converter permutes q and k)
             pass
         elif gg.endswith("attn_q.weight"):
             t = llama_cpp_permute(t, c.num_attention_heads)
@@ -214,6 +223,42 @@ def test_gemma3_gguf_matches_transformers_logits(tmp_path):
     assert ckpt.args.layer_types == config.layer_types and ckpt.args.sandwich_norms
     ours = build_model(ckpt.args, ckpt.state_dict)
     ours.setup_caches(1, 32)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4
+
+
+def test_smollm3_gguf_every_fourth_layer_without_rope_matches_transformers_logits(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.SmolLM3Config(**{**CONFIG, "num_hidden_layers": 4}, pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2, tie_word_embeddings=True)
+    assert config.no_rope_layers == [1, 1, 1, 0]
+    model = transformers.SmolLM3ForCausalLM(config).eval()
+    write_gguf(model, tmp_path / "s3.gguf", tied=True, arch="smollm3")
+    ckpt = load(str(tmp_path / "s3.gguf"), dtype=torch.float32)
+    assert ckpt.args.no_rope_layers == [1, 1, 1, 0]
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 32)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4
+
+
+def test_phi3_gguf_with_longrope_matches_transformers_logits(tmp_path):
+    """Phi-3 in llama.cpp's phi3 layout (attn_qkv, gate and up in ffn_up,
+    rope_factors_long / rope_factors_short): logits equal transformers' to 1e-4."""
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**{**CONFIG, "max_position_embeddings": 256}, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, tie_word_embeddings=False, original_max_position_embeddings=64,
+                                     rope_scaling={"rope_type": "longrope",
+                                                   "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                                   "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]})
+    model = transformers.Phi3ForCausalLM(config).eval()
+    write_gguf(model, tmp_path / "phi3.gguf", arch="phi3")
+    ckpt = load(str(tmp_path / "phi3.gguf"), dtype=torch.float32)
+    assert ckpt.args.rope_scaling["rope_type"] == "longrope"
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 64)  # (within the original context: the short factors)
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4

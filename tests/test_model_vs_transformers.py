@@ -59,6 +59,12 @@ CASES = {
                                                   "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                      "rope_theta": 1e6}},
                                               pad_token_id=0, bos_token_id=2, eos_token_id=1)),
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM",  # LongRoPE's short factors and attention factor
+                      dict(BASE, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           tie_word_embeddings=False, max_position_embeddings=256,
+                           original_max_position_embeddings=64,
+                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+                                         "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]})),
     "mixtral-4-experts-top2": ("MixtralConfig", "MixtralForCausalLM",  # the router's weights renormalized
                                dict(BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                     rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
@@ -189,3 +195,18 @@ def test_compiled_step_gives_the_eager_tokens_in_every_weight_format(tmp_path, c
         runs = [list(Generator(build_model(args, state), 64, compile=compiled).tokens(
             [5, 7, 11, 13], 24, SamplingParams())) for compiled in (False, True)]
         assert runs[0] == runs[1], mode
+
+
+def test_longrope_takes_its_long_factors_when_the_cache_outgrows_the_original_context(tmp_path):
+    """With a KV cache past original_max_position_embeddings (64 here) every
+    position takes the long factors, as transformers does for a sequence past
+    it (and llama.cpp for such a context): logits of an 80-token forward equal."""
+    ref = make_folder(tmp_path, "phi3-longrope")
+    ckpt = load(str(tmp_path), dtype=torch.float32)
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, 128)
+    ids = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(80)) - ref(ids).logits).abs().max().item() <= 1e-4
+        ours.setup_caches(1, 64)  # (the short factors: another model past position 64)
+        assert (ours(ids[:, :64], torch.arange(64)) - ref(ids[:, :64]).logits).abs().max().item() <= 1e-4

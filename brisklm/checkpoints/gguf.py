@@ -27,7 +27,11 @@ ARCHITECTURES = {"llama": {"permuted_qk": True, "attention_bias": False},
                  "qwen2": {"permuted_qk": False, "attention_bias": True},
                  "qwen3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
                  "gemma3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
-                 "qwen3moe": {"permuted_qk": False, "attention_bias": False, "qk_norm": True}}
+                 "qwen3moe": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
+                 "phi3": {"permuted_qk": False, "attention_bias": False},
+                 "smollm3": {"permuted_qk": True, "attention_bias": False}}
+# Phi-3: q/k/v in one tensor, and gate/up in ffn_up (Hugging Face stores them so too)
+GGUF_PHI3 = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 # llama.cpp stacks an MoE layer's experts, one tensor per projection
 GGUF_EXPERTS = {"ffn_gate_exps.weight": "w1.weight", "ffn_up_exps.weight": "w3.weight",
                 "ffn_down_exps.weight": "w2.weight"}
@@ -129,6 +133,12 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         qk_norm=ARCHITECTURES[arch].get("qk_norm", False))
     if arch == "gemma3":
         args.update(gemma3_args(args, get))
+    if arch == "smollm3":  # (llama.cpp fixes it: every fourth layer without RoPE)
+        args["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(args["num_hidden_layers"])]
+    rotated = get("rope.dimension_count", args["head_dim"], required=False)
+    if rotated != args["head_dim"]:
+        raise BriskError(f"{path}: RoPE on {rotated} of {args['head_dim']} head dimensions (partial rotary) "
+                         f"is not supported yet")
     if experts:  # (llama.cpp renormalizes the chosen experts' weights unless the file says not to)
         args.update(num_local_experts=experts, num_experts_per_tok=get("expert_used_count"),
                     moe_intermediate_size=get("expert_feed_forward_length", required=False),
@@ -138,6 +148,13 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         args["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     elif kind not in ("none", None):
         raise BriskError(f"{path}: unsupported rope scaling {kind!r}")
+    if "rope_factors_long.weight" in tensor_names:  # Phi-3's LongRoPE, its factors as tensors
+        factors = {kind: np.array(tensor_names[f"rope_factors_{kind}.weight"].data, dtype=np.float32).tolist()
+                   for kind in ("long", "short")}
+        args["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors["long"],
+                                "short_factor": factors["short"],
+                                "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                                "attention_factor": get("rope.scaling.attn_factor", required=False)}
     try:
         return ModelArgs(**args)
     except (TypeError, ValueError) as e:
@@ -209,7 +226,9 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
     if plan:
         plan(args)
     arch = meta["general.architecture"]
-    layer_names = {**GGUF_LAYER, **GGUF_SANDWICH} if args.sandwich_norms else GGUF_LAYER
+    layer_names = {**GGUF_LAYER, **GGUF_SANDWICH} if args.sandwich_norms else dict(GGUF_LAYER)
+    if arch == "phi3":
+        layer_names.update(GGUF_PHI3)
     by_hf = {}
     for name in tensors:
         if name in GGUF_GLOBAL:

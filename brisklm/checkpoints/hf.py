@@ -50,8 +50,9 @@ def read_config(folder: str) -> ModelArgs:
     rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
     rope = rope.get("full_attention", rope)  # (Gemma 3's sliding layers are never scaled)
     kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise BriskError(f"{path}: rope scaling {kind!r} is not supported yet (default, linear, llama3 are)")
+    if kind not in ("default", "linear", "llama3", "longrope", "su"):
+        raise BriskError(f"{path}: rope scaling {kind!r} is not supported yet (default, linear, llama3, "
+                         f"longrope are)")
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise BriskError(f"{path}: partial_rotary_factor {partial} is not supported yet (RoPE on whole heads only)")
