@@ -22,3 +22,14 @@ def smol_llm(smollm2_gguf):
     import brisklm
     return brisklm.load(smollm2_gguf, device="cpu", dtype="float32", max_seq_length=1024,
                         quantize="none")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiler(request):
+    """Each compiling test starts with dynamo's caches empty: the compiled
+    decode step is one function whose recompilations (one per model shape)
+    count against dynamo's per-function limit across the whole session."""
+    yield
+    if request.node.get_closest_marker("compile"):
+        import torch
+        torch._dynamo.reset()
