@@ -23,7 +23,7 @@ import torch
 from .model import Transformer, causal_block_mask, decode_block_mask
 from .precompile import artifacts_path, precompiled
 from .sampling import SamplingParams, sample
-from .speculative import accept
+from .speculative import DraftPolicy, accept
 
 
 class OnePassReductions:
@@ -281,7 +281,7 @@ class Generator:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
-    def _speculated(self, prompt_ids, first: int, max_new_tokens, params, stop, drafter, k, t0):
+    def _speculated(self, prompt_ids, first: int, max_new_tokens, params, stop, drafter, k, t0, adapt=True):
         """The decode loop of speculative decoding (speculative.py), after the first token."""
         stats = self.stats
         history = [*prompt_ids, first]
@@ -291,12 +291,16 @@ class Generator:
         yield first
         if first in stop:
             return
+        policy = DraftPolicy(k) if adapt else None  # (how many drafts pay, from what this run measures)
         while stats.new_tokens < max_new_tokens:
             here = len(history) - 1  # the position of the newest token, not yet in the cache
             room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted
-            drafts, q = drafter.propose(history, min(k, room), params, self.logits) if room and k else ([], None)
+            n, t_step = policy.choose(room) if policy else min(k, room), time.perf_counter()
+            drafts, q = drafter.propose(history, n, params, self.logits) if n else ([], None)
             logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
-            emitted = accept(logits, drafts, q, params)
+            emitted = accept(logits, drafts, q, params)  # (reads the tokens: the step's time is known)
+            if policy:
+                policy.update(len(drafts), len(emitted) - 1, time.perf_counter() - t_step)
             stats.target_steps += 1
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
             self.cached = history + emitted[:-1]  # (the last emitted token is not in the cache yet)
@@ -344,10 +348,12 @@ class Generator:
 
     @torch.no_grad()
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-               stop_ids=(), seed: int | None = None, drafter=None, draft_tokens: int = 4) -> Iterator[int]:
+               stop_ids=(), seed: int | None = None, drafter=None, draft_tokens: int = 4,
+               adapt_drafts: bool = True) -> Iterator[int]:
         """Yield up to max_new_tokens sampled ids; stops after yielding a stop id.
         With a drafter (speculative.py), each target forward checks up to
-        draft_tokens proposed ones."""
+        draft_tokens proposed ones: as many as pay, by the run's own measure
+        (speculative.DraftPolicy), or always draft_tokens (adapt_drafts=False)."""
         self.check(prompt_ids, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
@@ -371,7 +377,7 @@ class Generator:
         self.cached.extend(prompt_ids[start:])
         if drafter is not None:
             yield from self._speculated(prompt_ids, int(token), max_new_tokens, params, stop, drafter,
-                                        draft_tokens, t0)
+                                        draft_tokens, t0, adapt_drafts)
             return
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         for i in range(max_new_tokens):

@@ -23,6 +23,9 @@ Drafters:
                 `depth` layers with its final norm and output layer (sharing
                 the target's weights and those layers' cache), or a smaller
                 model of its own with its own cache.
+
+DraftPolicy chooses how many drafts each step proposes, from the run's own
+measure of what a step with k drafts costs and how often drafts are kept.
 """
 from __future__ import annotations
 
@@ -120,3 +123,69 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
             residual = p[i]
         return out + [int(torch.multinomial(residual / residual.sum(), 1))]
     return out + [int(torch.multinomial(p[-1], 1))]
+
+
+class DraftPolicy:
+    """How many drafts to propose at each step: the k in 0..max_k that gives
+    the most tokens per second, from what the run has measured so far.
+
+    A step with k drafts yields 1 + a + a^2 + ... + a^k tokens on average if
+    each draft is kept with probability a, and costs the seconds measured for
+    steps with k drafts (drafting and verifying; a k not tried yet is
+    interpolated between the nearest tried ones). So drafts that keep being
+    rejected drive k to 0, and the run decodes as plainly as without a
+    drafter, but for a probe with one draft now and then, at intervals that
+    double while probes fail (1/16 of the steps at first, 1/256 at most):
+    the cost of speculating on text where it cannot pay stays a few percent."""
+
+    def __init__(self, max_k: int, decay: float = 0.95):
+        self.max_k, self.decay = max_k, decay
+        self.cost: dict[int, float] = {}  # drafts proposed -> seconds a step (moving average)
+        # Drafts kept and drafts judged (the first rejection ends a step's
+        # judging), discounted by `decay` a step. The chance that a draft is
+        # kept is taken as (kept + 1) / (judged + 1): hopeful while little is
+        # known, the measured fraction once much is.
+        self.judged = self.kept_count = 0.0
+        self.until_probe, self.interval = 0, 16
+
+    @property
+    def kept(self) -> float:
+        return (self.kept_count + 1) / (self.judged + 1)
+
+    def expected_tokens(self, k: int) -> float:
+        return sum(self.kept ** i for i in range(k + 1))
+
+    def step_cost(self, k: int) -> float:
+        if k in self.cost:
+            return self.cost[k]
+        below = max((j for j in self.cost if j < k), default=None)
+        above = min((j for j in self.cost if j > k), default=None)
+        if below is None or above is None:  # (outside the tried range: the nearest one)
+            return self.cost[above if below is None else below]
+        w = (k - below) / (above - below)
+        return (1 - w) * self.cost[below] + w * self.cost[above]
+
+    def choose(self, room: int) -> int:
+        """Drafts to propose now (at most room, the tokens still wanted after this one)."""
+        top = min(self.max_k, room)
+        if top == 0:
+            return 0
+        if top not in self.cost or 0 not in self.cost:  # measure both ends first
+            return top if top not in self.cost else 0
+        best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+        if best == 0:
+            self.until_probe -= 1
+            if self.until_probe <= 0:
+                return 1
+        return best
+
+    def update(self, proposed: int, kept: int, seconds: float):
+        """After a step: drafts proposed (a drafter may find fewer than asked), kept, its seconds."""
+        old = self.cost.get(proposed)
+        self.cost[proposed] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if proposed:
+            self.kept_count = self.decay * self.kept_count + kept
+            self.judged = self.decay * self.judged + kept + (kept < proposed)
+            if self.until_probe <= 0:  # a probe: wait longer before the next if nothing was kept
+                self.interval = 16 if kept else min(2 * self.interval, 256)
+                self.until_probe = self.interval

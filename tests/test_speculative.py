@@ -2,6 +2,7 @@
 plain output, for every drafter and draft length; sampled output distributed
 as plain sampling's."""
 import math
+import random
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from brisklm.generate import Generator, forward
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams, logits_to_probs
-from brisklm.speculative import ModelDrafter, NgramDrafter
+from brisklm.speculative import DraftPolicy, ModelDrafter, NgramDrafter
 
 TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
@@ -41,7 +42,7 @@ def test_greedy_speculative_output_is_the_plain_greedy_output(kind, k):
     steps = 0
     for prompt in PROMPTS:
         want = list(plain.tokens(prompt, 40, GREEDY))
-        got = list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=k))
+        got = list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=k, adapt_drafts=False))
         assert got == want, (kind, k, prompt)
         steps += spec.stats.target_steps
         assert spec.stats.new_tokens == 40 and spec.stats.target_steps <= 39
@@ -61,7 +62,8 @@ def test_padded_verify_and_draft_steps_give_the_plain_greedy_output(kind):
     drafter = drafters(spec.model, kind)
     for prompt in PROMPTS:
         want = list(plain.tokens(prompt, 40, GREEDY))
-        assert list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=5)) == want, (kind, prompt)
+        got = list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=5, adapt_drafts=False))
+        assert got == want, (kind, prompt)
     assert 16 in rows and set(rows) <= {1, 16}, set(rows)  # verify steps padded to 16 rows, drafts 1
 
 
@@ -161,7 +163,8 @@ def test_the_real_model_in_fp32_gives_its_plain_greedy_text(smol_llm, kind, k):
     want = list(gen.tokens(ids, 40, GREEDY, stop_ids=tok.eos_ids))
     gen.reset()
     drafter = NgramDrafter() if kind == "ngram" else ModelDrafter(gen.model, depth=8)
-    got = list(gen.tokens(ids, 40, GREEDY, stop_ids=tok.eos_ids, drafter=drafter, draft_tokens=k))
+    got = list(gen.tokens(ids, 40, GREEDY, stop_ids=tok.eos_ids, drafter=drafter, draft_tokens=k,
+                          adapt_drafts=False))
     assert got == want
     assert kind != "ngram" or gen.stats.tokens_per_step > 1.5  # the list is copied from the prompt
 
@@ -206,7 +209,60 @@ def test_the_model_itself_in_int8_drafts_for_it_and_changes_nothing(smollm2_gguf
     llm = brisklm.load(smollm2_gguf, device="cpu", dtype="float32", quantize="none", max_seq_length=512,
                        speculate="draft", draft_quantize="int8", draft_tokens=4)
     prompt = "The three primary colors are"
-    spec = llm.generate(prompt, max_new_tokens=40, temperature=0)
+    spec = llm.generate(prompt, max_new_tokens=40, temperature=0)  # (as many drafts as pay: few, on a CPU)
+    ids = llm.tokenizer.encode(prompt)
+    always = list(llm.generator.tokens(ids, 40, SamplingParams(), drafter=llm.drafter, draft_tokens=4,
+                                       adapt_drafts=False))
     assert llm.stats.tokens_per_step > 2  # int8 agrees with the dense model most of the time
     llm.drafter = None
-    assert llm.generate(prompt, max_new_tokens=40, temperature=0) == spec
+    assert llm.generate(prompt, max_new_tokens=40, temperature=0) == spec == llm.tokenizer.decode(always)
+
+
+def run_policy(policy, keep, cost, steps):
+    """Drive a policy with drafts each kept with probability `keep` (up to the
+    first rejection, seeded) and steps that cost cost(k) seconds. Returns the
+    drafts proposed at each step and the tokens per second it came to (plain
+    decoding: 1 token a second)."""
+    rng = random.Random(0)
+    chosen, tokens, seconds = [], 0, 0.0
+    for _ in range(steps):
+        k = policy.choose(room=100)
+        kept = 0
+        while kept < k and rng.random() < keep:
+            kept += 1
+        policy.update(k, kept, cost(k))
+        chosen.append(k)
+        tokens, seconds = tokens + kept + 1, seconds + cost(k)
+    return chosen, tokens / seconds
+
+
+def test_the_draft_policy_stops_drafting_where_drafts_are_rejected_and_probes_rarely():
+    # A self-draft's cost: each draft a shallow forward (0.3 of a step), the verify a bit more per row.
+    chosen, rate = run_policy(DraftPolicy(4), 0.0, lambda k: 1.0 + 0.35 * k, 400)
+    assert chosen[:2] == [4, 0]  # (both ends measured first)
+    probes = sum(k > 0 for k in chosen[2:])
+    assert probes <= 12, probes  # 16, 32, 64, 128, 256 steps apart
+    assert rate > 0.97, rate  # (plain decoding: 1.0)
+
+
+def test_the_draft_policy_drafts_as_much_as_pays():
+    chosen, rate = run_policy(DraftPolicy(4), 1.0, lambda k: 1.0 + 0.05 * k, 50)  # prompt lookup on a copy
+    assert chosen[2:] == [4] * 48 and rate > 4
+    # kept half the time at a moderate price: one or two drafts pay (1.15x, 1.09x), eight do not (0.58x)
+    chosen, rate = run_policy(DraftPolicy(8), 0.5, lambda k: 1.0 + 0.3 * k, 400)
+    assert rate > 1.05, rate
+    assert sum(k <= 2 for k in chosen[20:]) > 0.9 * len(chosen[20:])
+
+
+def test_adaptive_speculation_with_rejected_drafts_gives_the_plain_output_with_few_drafts():
+    class Wrong:  # drafts the target never keeps (a token it does not choose)
+        def propose(self, history, k, params, run=None):
+            return [60] * k, None
+
+        def kept(self, length):
+            pass
+    plain, spec = Generator(tiny_model(), 256), Generator(tiny_model(), 256)
+    want = list(plain.tokens(PROMPTS[0], 120, GREEDY))
+    assert 60 not in want
+    got = list(spec.tokens(PROMPTS[0], 120, GREEDY, drafter=Wrong(), draft_tokens=8))
+    assert got == want and spec.stats.target_steps >= 110  # (almost every step without drafts)
