@@ -463,6 +463,18 @@ def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop, ends=None) -> Iter
         yield pending
 
 
+@contextlib.contextmanager
+def gptq_errors(where: str, mode: str):
+    """GPTQ's refusals while it quantizes as the reader reads (a model it
+    cannot calibrate) as one-line errors naming the checkpoint."""
+    try:
+        yield
+    except ValueError as e:
+        if mode != "int4-gptq":
+            raise
+        raise BriskError(f"{where}: {e}") from None
+
+
 def tp_world() -> tuple[int, int, object]:
     """(rank, world size, group) of the default process group, (0, 1, None) without one."""
     import torch.distributed as dist
@@ -540,12 +552,21 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         if unknown:
             raise BriskError(f"unknown compile option {unknown[0]!r} (torch._inductor.list_options() names them)")
     transform = None
+    from .quantize import check_mode, quantizer, untied
     if quantize in RTN_MODES:  # quantized tensor by tensor as it loads: the dense model never exists whole
-        from .quantize import quantizer, untied
         try:
             transform = quantizer(quantize, groupsize)
         except ValueError as e:
             raise BriskError(str(e)) from None
+    elif quantize == "int4-gptq" and preset is None:  # layer by layer as it loads, calibrated on a fixed text
+        from .checkpoints import read_tokenizer
+        from .gptq import GPTQStream, calibration_ids
+        try:
+            check_mode("int4", groupsize)
+        except ValueError as e:
+            raise BriskError(str(e)) from None
+        transform = GPTQStream(groupsize, lambda: calibration_ids(read_tokenizer(path)))
+    quantized_as_read = transform is not None
     rank, world, group = tp_world() if tensor_parallel is not False else (0, 1, None)
     if world > 1:
         from . import tp
@@ -562,7 +583,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     else:
         shapes = lambda args: args  # noqa: E731
     t0 = time.perf_counter()
-    as_loaded = f", quantizing to {quantize} tensor by tensor" if quantize in RTN_MODES else ""
+    as_loaded = (f", quantizing to {quantize} tensor by tensor" if quantize in RTN_MODES else
+                 f", quantizing to int4 (group {groupsize}) with GPTQ layer by layer" if transform else "")
     as_loaded += f", rank {rank}'s share of {world}" if world > 1 else ""
     if preset is not None:
         from .presets import preset as get_preset
@@ -584,13 +606,13 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
             plan_memory(shapes(args), torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
                         weights=os.path.getsize(where) if keep else None, name=where, quiet=quiet)
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype}){as_loaded}...", quiet)
-        with out_of_memory(where, device, "loading the weights"):
+        with out_of_memory(where, device, "loading the weights"), gptq_errors(where, quantize):
             ckpt = load_checkpoint(where, device=device, dtype=dtype, progress=None if quiet else progress_bar,
                                    keep_gguf_blocks=keep and gguf_blocks_to_keep(device, fused_kernels),
                                    transform=transform,
                                    plan=plan)
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
-    if quantize in RTN_MODES:
+    if quantized_as_read:
         args = untied(args, state)
     elif world == 1:
         args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)

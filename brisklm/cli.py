@@ -363,7 +363,7 @@ def _size(path: str) -> int:
 
 
 def cmd_quantize(args):
-    from .api import progress_bar, log, parse_dtype, quantize_loaded, step
+    from .api import gptq_errors, progress_bar, log, parse_dtype, quantize_loaded, step
     from .checkpoints import load, resolve
     from .checkpoints.native import NativeWriter, save_native
     from .quantize import quantizer, untied
@@ -372,9 +372,16 @@ def cmd_quantize(args):
     scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
               (args.groupsize if args.mode.startswith("int4") else None)}
     sink = None
-    if args.mode in RTN_MODES:  # quantized and written tensor by tensor as it is read: one shard in memory
+    if args.mode in RTN_MODES or args.mode == "int4-gptq":  # quantized and written as it is read
         try:
-            quantize = quantizer(args.mode, args.groupsize)
+            if args.mode == "int4-gptq":  # (layer by layer: one layer dense at a time)
+                from .checkpoints import read_tokenizer
+                from .gptq import GPTQStream, calibration_ids
+                from .quantize import check_mode
+                check_mode("int4", args.groupsize)
+                quantize = GPTQStream(args.groupsize, lambda: calibration_ids(read_tokenizer(source)))
+            else:
+                quantize = quantizer(args.mode, args.groupsize)
         except ValueError as e:
             raise BriskError(str(e)) from None
         writer, written = NativeWriter(output), {}
@@ -384,9 +391,10 @@ def cmd_quantize(args):
                 writer.add(key, entry)
                 written[key] = None
             return {}
-    doing = f", quantizing to {args.mode} tensor by tensor and writing {output} as it goes" if sink else ""
+    how = "layer by layer" if args.mode == "int4-gptq" else "tensor by tensor"
+    doing = f", quantizing to {args.mode} {how} and writing {output} as it goes" if sink else ""
     with step(f"Reading {args.checkpoint_path or 'the bundled default model'}{doing}",
-              "Read, quantized and written" if sink else "Read"):
+              "Read, quantized and written" if sink else "Read"), gptq_errors(source, args.mode):
         ckpt = load(source, device="cpu", dtype=parse_dtype(args.dtype), progress=progress_bar,
                     keep_gguf_blocks="all" if args.mode == "gguf" else False, transform=sink)
     if sink:

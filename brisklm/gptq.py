@@ -13,12 +13,11 @@ The result uses quantize.py's int4 format (scale and zero per group of
 """
 from __future__ import annotations
 
-import copy
-
 import torch
+import torch.nn.functional as F
 
-from .model import build_model
-from .quantize import dequantize, pack_int4, quantize_embedding, quantize_int8
+from .model import KVCache, TransformerBlock, canonical_names, rope_tables, scale_embeddings, visible
+from .quantize import dequantize, pack_int4, quantize_embedding, quantize_int8, untied
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtype,
@@ -32,16 +31,16 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtyp
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    h += damp * torch.diag(h).mean() * torch.eye(k)
+    h += damp * torch.diag(h).mean() * torch.eye(k, device=h.device)
     # Upper Cholesky factor of H^-1: row i holds how column i's error spreads to the right.
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    codes = torch.zeros(n, k)
-    scales = torch.zeros(n, k // groupsize)
-    zeros = torch.zeros(n, k // groupsize)
+    codes = torch.zeros(n, k, device=w.device)
+    scales = torch.zeros(n, k // groupsize, device=w.device)
+    zeros = torch.zeros(n, k // groupsize, device=w.device)
     block = max(block, groupsize) // groupsize * groupsize  # blocks hold whole groups
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        wb, err = w[:, b0:b1].clone(), torch.zeros(n, b1 - b0)
+        wb, err = w[:, b0:b1].clone(), torch.zeros(n, b1 - b0, device=w.device)
         hb = hinv[b0:b1, b0:b1]
         for i in range(b1 - b0):
             col = b0 + i
@@ -75,49 +74,95 @@ def _layer_inputs(layer):
     return hessians, hooks
 
 
-@torch.no_grad()
-def gptq_quantize_state_dict(args, state: dict, calibration: list[list[int]], groupsize: int = 128,
-                             progress=None):
-    """Canonical state dict -> (args, state) with GPTQ int4 Linears (output layer int8).
+class GPTQStream:
+    """GPTQ as a reader transform (checkpoints.load's `transform`): tensors
+    arrive in canonical_names' order (the embedding, the final norm, the
+    output layer, then the layers one by one). A layer's tensors are held
+    until its last one arrives; then the layer is calibrated on the outputs
+    of the layers before it, its Linears quantized, and its dense tensors
+    dropped. So a checkpoint quantizes with one layer dense (in fp32 while
+    calibrated) beside the quantized ones and the calibration activations,
+    on the device it is read to.
 
-    calibration: token id sequences (e.g. a few thousand tokens of text)."""
-    from dataclasses import replace
-    if args.num_local_experts:
-        raise ValueError("GPTQ of mixture-of-experts models is not supported yet (int4 RTN is: --mode int4)")
-    calibration = [list(s) for s in calibration if len(s) > 1]
-    if not calibration:
-        raise ValueError("GPTQ needs calibration sequences of at least 2 tokens")
-    dtype = state["tok_embeddings.weight"].dtype
-    # The model stands on the checkpoint's own tensors; each block is copied to
-    # fp32 for its calibration and dropped after it (a whole fp32 copy of an 8B
-    # model would be 32 GB). The copy also keeps the caller's tensors unwritten.
-    model = build_model(args, state)
-    length = max(len(s) for s in calibration)
-    model.setup_caches(1, length)
-    xs = [model.tok_embeddings(torch.tensor([s])).float() for s in calibration]
-    out = dict(state)
-    for i in range(args.num_hidden_layers):
-        layer = copy.deepcopy(model.layers[i]).float()
+    calibration: token id sequences, or a function giving them (called when
+    the embedding arrives: a reader loads the tokenizer last)."""
+
+    def __init__(self, groupsize: int = 128, calibration=None, progress=None):
+        self.groupsize, self.calibration, self.progress = groupsize, calibration, progress
+        self.pending: dict[str, torch.Tensor] = {}
+        self.xs = self.ropes = self.layer_names = None
+
+    def __call__(self, args, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if name == "tok_embeddings.weight":
+            return self.embedding(args, tensor)
+        if name == "output.weight":
+            return {f"{name}_{s}": t for s, t in quantize_int8(tensor).items()}
+        if not name.startswith("layers."):
+            return {name: tensor}
+        self.pending[name] = tensor
+        i = int(name.split(".")[1])
+        if self.layer_names is None:
+            self.layer_names = [[n for n in canonical_names(args) if n.startswith(f"layers.{j}.")]
+                                for j in range(args.num_hidden_layers)]
+        if any(n not in self.pending for n in self.layer_names[i]):
+            return {}
+        return self.quantize_layer(args, i)
+
+    def embedding(self, args, table):
+        if args.num_local_experts:
+            raise ValueError("GPTQ of mixture-of-experts models is not supported yet (int4 RTN is: int4)")
+        calibration = self.calibration() if callable(self.calibration) else self.calibration
+        calibration = [list(s) for s in calibration or [] if len(s) > 1]
+        if not calibration:
+            raise ValueError("GPTQ needs calibration sequences of at least 2 tokens")
+        self.dtype, length = table.dtype, max(len(s) for s in calibration)
+        self.xs = [scale_embeddings(args, F.embedding(torch.tensor([s], device=table.device), table)).float()
+                   for s in calibration]
+        self.ropes = rope_tables(args, length, table.device)
+        out = quantize_embedding({"tok_embeddings.weight": table})
+        if args.tie_word_embeddings:  # (the output layer quantized on its own: untied)
+            out.update({f"output.weight_{s}": t for s, t in quantize_int8(table).items()})
+        return out
+
+    @torch.no_grad()
+    def quantize_layer(self, args, i: int) -> dict[str, torch.Tensor]:
+        prefix = f"layers.{i}."
+        mine = {n: self.pending.pop(n) for n in self.layer_names[i]}
+        with torch.device("meta"):
+            layer = TransformerBlock(args, i)
+        # (an fp32 copy for calibration: the tensors as read stay as they are)
+        layer.load_state_dict({n[len(prefix):]: t.to(torch.float32, copy=True) for n, t in mine.items()},
+                              assign=True)
+        layer.attention.kv_cache = KVCache(1, args.num_key_value_heads, max(x.shape[1] for x in self.xs),
+                                           args.head_dim, torch.float32, self.xs[0].device)
         hessians, hooks = _layer_inputs(layer)
-        for x in xs:
-            _run_block(model, layer, x)
+        for x in self.xs:
+            _run_block(self.ropes, layer, x)
         for h in hooks:
             h.remove()
+        out = {}
         for local, hess in hessians.items():
-            name = f"layers.{i}.{local}.weight"
+            name = f"{prefix}{local}.weight"
             module = layer.get_submodule(local)
-            parts = gptq_int4(out.pop(name), hess, groupsize, dtype)
+            parts = gptq_int4(mine.pop(name), hess, self.groupsize, self.dtype)
             out.update({f"{name}_{s}": t for s, t in parts.items()})
             module.weight.copy_(dequantize(parts)[:, :module.weight.shape[1]])  # later layers see it
-        xs = [_run_block(model, layer, x) for x in xs]
-        del layer
-        if progress:
-            progress(i + 1, args.num_hidden_layers)
-    if args.tie_word_embeddings:
-        out["output.weight"] = state["tok_embeddings.weight"]
-        args = replace(args, tie_word_embeddings=False)
-    out.update({f"output.weight_{s}": t for s, t in quantize_int8(out.pop("output.weight")).items()})
-    return args, quantize_embedding(out)
+        self.xs = [_run_block(self.ropes, layer, x) for x in self.xs]
+        out.update(mine)  # the norms and biases, as read
+        if self.progress:
+            self.progress(i + 1, args.num_hidden_layers)
+        return out
+
+
+def gptq_quantize_state_dict(args, state: dict, calibration: list[list[int]], groupsize: int = 128,
+                             progress=None):
+    """Canonical state dict -> (args, state) with GPTQ int4 Linears (output
+    layer int8), through GPTQStream in canonical order (the caller's tensors
+    are left as they are)."""
+    stream, out = GPTQStream(groupsize, calibration, progress), {}
+    for name in canonical_names(args):
+        out.update(stream(args, name, state[name]))
+    return untied(args, out), out
 
 
 def calibration_ids(tokenizer, sequences: int = 8, length: int = 256) -> list[list[int]]:
@@ -129,10 +174,10 @@ def calibration_ids(tokenizer, sequences: int = 8, length: int = 256) -> list[li
     return [ids[i * length:(i + 1) * length] for i in range(min(sequences, len(ids) // length))]
 
 
-def _run_block(model, layer, x):
-    from .model import visible
+def _run_block(ropes, layer, x):
+    """One block over a calibration sequence x (1, T, C): causal, with the
+    layer's own window and RoPE table (Gemma 3's differ by layer)."""
     pos = torch.arange(x.shape[1], device=x.device)
-    attention = layer.attention  # (its window and its RoPE table: Gemma 3's differ by layer)
-    table = "rope_local" if attention.local_rope else "rope"
-    cos, sin = getattr(model, table + "_cos")[pos], getattr(model, table + "_sin")[pos]
+    attention = layer.attention
+    cos, sin = (t[pos] for t in ropes[attention.local_rope])
     return layer(x, cos, sin, visible(pos[:, None], pos[None, :], attention.window), pos)

@@ -517,17 +517,10 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
                                                max_seq_length, a.head_dim, dtype, device, self.kv_int8)
-        t = torch.arange(max_seq_length, dtype=torch.float32)
-        # LongRoPE's long factors where the cache outgrows the original context
-        # (as llama.cpp chooses by its context; transformers by the positions seen)
-        long = max_seq_length > (a.rope_scaling or {}).get("original_max_position_embeddings", max_seq_length)
-        for prefix, local in (("rope", False), ("rope_local", True)):
-            if local and a.rope_local_base_freq is None:
-                continue
-            angles = torch.outer(t, rope_frequencies(a, local, long))  # (S, D/2)
-            scale = 1.0 if local else rope_attention_factor(a)
-            self.register_buffer(prefix + "_cos", (angles.cos() * scale).to(device), persistent=False)
-            self.register_buffer(prefix + "_sin", (angles.sin() * scale).to(device), persistent=False)
+        for local, (cos, sin) in rope_tables(a, max_seq_length, device).items():
+            prefix = "rope_local" if local else "rope"
+            self.register_buffer(prefix + "_cos", cos, persistent=False)
+            self.register_buffer(prefix + "_sin", sin, persistent=False)
         self.max_seq_length = max_seq_length
 
     @property
@@ -559,15 +552,34 @@ class Transformer(nn.Module):
         else:  # causal: the query at position p sees keys 0..p (the last `window` of them)
             keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
             masks = {w: visible(input_pos[:, None], keys[None, :], w) for w in self.windows}  # (T, S)
-        x = self.tok_embeddings(idx)  # (B, T, C)
-        if self.args.embed_scale != 1.0:  # (rounded to the model's dtype first, as the reference)
-            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        x = scale_embeddings(self.args, self.tok_embeddings(idx))  # (B, T, C)
         for layer in self.layers if depth is None else self.layers[:depth]:
             attention = layer.attention
             x = layer(x, *ropes[attention.local_rope], masks[attention.window], input_pos)
         if last is not None:
             x = x.index_select(1, last)
         return self.output(self.norm(x)).float()
+
+
+def scale_embeddings(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:
+    """Embedding rows times embed_scale (Gemma's sqrt(hidden), rounded to the
+    model's dtype first, as the reference rounds it)."""
+    return x if args.embed_scale == 1.0 else x * torch.tensor(args.embed_scale, dtype=x.dtype)
+
+
+def rope_tables(args: ModelArgs, length: int, device=None) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """cos and sin (length, head_dim/2) for positions 0..length-1: {False: the
+    model's, True: its sliding layers' own (Gemma 3), if any}. LongRoPE takes
+    its long factors where `length` outgrows the original context (as
+    llama.cpp decides by its context; transformers by the positions seen)."""
+    t = torch.arange(length, dtype=torch.float32)
+    long = length > (args.rope_scaling or {}).get("original_max_position_embeddings", length)
+    tables = {}
+    for local in (False, True) if args.rope_local_base_freq is not None else (False,):
+        angles = torch.outer(t, rope_frequencies(args, local, long))  # (S, D/2)
+        scale = 1.0 if local else rope_attention_factor(args)
+        tables[local] = ((angles.cos() * scale).to(device), (angles.sin() * scale).to(device))
+    return tables
 
 
 def visible(q_pos, k_pos, window: int | None = None):

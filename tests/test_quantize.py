@@ -273,6 +273,40 @@ def test_gptq_leaves_the_callers_weights_unwritten():
     assert all(torch.equal(state[k], t) for k, t in before.items())
 
 
+@pytest.mark.slow
+def test_gptq_at_load_goes_layer_by_layer_and_equals_gptq_of_the_whole_model(tmp_path, smollm2_gguf):
+    """int4-gptq as the reader reads (GPTQStream): at most one layer's dense
+    tensors are held at a time, the entries equal those of GPTQ over the whole
+    state dict bit for bit, and brisklm.load / brisk quantize take that path."""
+    import brisklm
+    from brisklm.checkpoints import read_tokenizer
+    from brisklm.gptq import GPTQStream, calibration_ids, gptq_quantize_state_dict
+    tok = read_tokenizer(smollm2_gguf)
+    args = ModelArgs(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    state = random_state_dict(args, torch.float32, std=0.1)
+    save_native(str(tmp_path / "dense"), args, state, tok)
+    held = []
+
+    class Watched(GPTQStream):
+        def __call__(self, args, name, tensor):
+            out = super().__call__(args, name, tensor)
+            held.append(len(self.pending))
+            return out
+    streamed = load(str(tmp_path / "dense"), dtype=torch.float32, transform=Watched(32, calibration_ids(tok)))
+    whole_args, whole = gptq_quantize_state_dict(args, state, calibration_ids(tok), 32)
+    assert max(held) < 10 and held[-1] == 0  # (a layer has 9 tensors; none left over)
+    assert streamed.state_dict.keys() == whole.keys()
+    assert all(torch.equal(streamed.state_dict[k], t) for k, t in whole.items())
+    llm = brisklm.load(str(tmp_path / "dense"), device="cpu", dtype="float32", quantize="int4-gptq", groupsize=32)
+    reference = build_model(whole_args, whole)
+    ids = torch.tensor([[5, 17, 300, 9, 2]])
+    for m in (llm.model, reference.prepare("cpu")):
+        m.setup_caches(1, 8)
+    with torch.no_grad():
+        assert torch.equal(llm.model(ids, torch.arange(5)), reference(ids, torch.arange(5)))
+
+
 def test_tied_q8_0_codes_count_whole_for_the_output_layer(smollm2_gguf, monkeypatch):
     """Where the Triton GEMV runs, the tied Q8_0 embedding and the output layer
     share their codes: a decode step reads them whole (the output), not one row."""

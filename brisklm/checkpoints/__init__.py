@@ -53,6 +53,25 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
     return load_gguf(path, device, dtype, progress, keep_gguf_blocks, transform, plan)
 
 
+def read_tokenizer(path: str | None) -> Tokenizer:
+    """A checkpoint's tokenizer alone, its tensors left unread (GPTQ's
+    calibration text needs it before the weights that a reader gives first)."""
+    kind, where = resolve(path)
+    if kind == "hf":
+        from ..tokenizer import load_hf_tokenizer
+        tok = load_hf_tokenizer(where)
+    elif kind == "gguf":
+        from .gguf import load_tokenizer, metadata, open_reader
+        tok = load_tokenizer(metadata(open_reader(where)), where)
+    else:
+        from .native import read_metadata
+        info = read_metadata(where)
+        tok = Tokenizer.from_saved(where, info["tokenizer"]) if info.get("tokenizer") else None
+    if tok is None:
+        raise BriskError(f"{where}: no tokenizer (GPTQ calibrates on text)")
+    return tok
+
+
 class _Shapes(Exception):
     pass
 
