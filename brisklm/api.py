@@ -525,9 +525,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     for it) or "draft" (a second model that shares the tokenizer:
     draft_checkpoint_path, by default this one, loaded with draft_quantize, e.g.
     the model itself in int4); each target forward then checks up to draft_tokens drafts, and
-    the output is what plain decoding gives (greedy: token for token). Its
-    steps run uncompiled; on CUDA the verify and draft steps are replayed
-    from CUDA graphs (Generator.logits).
+    the output is what plain decoding gives (greedy: token for token). A step
+    with no drafts is plain decoding's step (compiled where that is); the
+    verify and draft steps run uncompiled, on CUDA replayed from CUDA graphs
+    (Generator.logits).
 
     fused_kernels=False leaves out our Triton kernels on NVIDIA GPUs
     (fusion.fuse_for_decode): every step in PyTorch ops, to compare.
@@ -542,8 +543,6 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(LOAD_MODES)})")
     device = usable_device(device or default_device())
     dtype = parse_dtype(dtype) or default_dtype(device)
-    if speculate is not None:
-        compile = False  # (the speculative steps are not compiled yet: the compiled decode step would go unused)
     compile = default_compile(device) if compile is None else compile
     compile_prefill = compile and default_compile(device) if compile_prefill is None else compile_prefill
     if compile_options:  # checked before loading, not at the first compile

@@ -55,7 +55,7 @@ def _speculate_flags(p: argparse.ArgumentParser):
     p.add_argument("--speculate", choices=["ngram", "self", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup), self (the model's first layers draft) or "
                         "draft (--draft_checkpoint_path, or this model with --draft_quantize); the same output, "
-                        "fewer target steps where drafts are accepted (uncompiled for now)")
+                        "fewer target steps where drafts are accepted (the verify steps uncompiled for now)")
     p.add_argument("--draft_checkpoint_path", default=None,
                    help="--speculate draft: the draft model (sharing the tokenizer; default: this one)")
     p.add_argument("--draft_quantize", choices=LOAD_MODES, default=None,

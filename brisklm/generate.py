@@ -297,8 +297,11 @@ class Generator:
             room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted
             n, t_step = policy.choose(room) if policy else min(k, room), time.perf_counter()
             drafts, q = drafter.propose(history, n, params, self.logits) if n else ([], None)
-            logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
-            emitted = accept(logits, drafts, q, params)  # (reads the tokens: the step's time is known)
+            if drafts:
+                logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
+                emitted = accept(logits, drafts, q, params)  # (reads the tokens: the step's time is known)
+            else:  # nothing to check: plain decoding's own step (compiled, or from a CUDA graph)
+                emitted = [self._plain_step(history[-1], here, params)]
             if policy:
                 policy.update(len(drafts), len(emitted) - 1, time.perf_counter() - t_step)
             stats.target_steps += 1
@@ -312,6 +315,16 @@ class Generator:
                 if value in stop:
                     self.cached = history[:-1]
                     return
+
+    def _plain_step(self, token: int, pos: int, params: SamplingParams) -> int:
+        """The token after `token` at position pos, by the decode step."""
+        if self.compiled and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        eager = not self.compiled and not self.graphed
+        nxt = self._decode(self.model, torch.tensor([token], device=self.device),
+                           torch.tensor([pos], device=self.device), params,
+                           kv_len=pos + 1 if eager else None, block_mask=self.block_mask)
+        return int(nxt)
 
     def _padded(self, ids: list[int], start: int, max_seq_length: int, graphed):
         """(ids as a (1, T) tensor, positions, kv_len, whether a graph holds them):

@@ -255,14 +255,23 @@ def test_the_draft_policy_drafts_as_much_as_pays():
 
 
 def test_adaptive_speculation_with_rejected_drafts_gives_the_plain_output_with_few_drafts():
+    plain, spec = Generator(tiny_model(), 256), Generator(tiny_model(), 256)
+    want = list(plain.tokens(PROMPTS[0], 120, GREEDY))
+    never = next(t for t in range(TINY.vocab_size) if t not in want)
+
     class Wrong:  # drafts the target never keeps (a token it does not choose)
         def propose(self, history, k, params, run=None):
-            return [60] * k, None
+            return [never] * k, None
 
         def kept(self, length):
             pass
-    plain, spec = Generator(tiny_model(), 256), Generator(tiny_model(), 256)
-    want = list(plain.tokens(PROMPTS[0], 120, GREEDY))
-    assert 60 not in want
     got = list(spec.tokens(PROMPTS[0], 120, GREEDY, drafter=Wrong(), draft_tokens=8))
     assert got == want and spec.stats.target_steps >= 110  # (almost every step without drafts)
+
+
+@pytest.mark.compile
+def test_steps_without_drafts_take_the_compiled_decode_step_and_change_nothing():
+    plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
+    for prompt in PROMPTS:  # (prompt lookup finds nothing in [3]: steps without drafts)
+        want = list(plain.tokens(prompt, 30, GREEDY))
+        assert list(spec.tokens(prompt, 30, GREEDY, drafter=NgramDrafter(), draft_tokens=4)) == want, prompt
