@@ -136,9 +136,12 @@ def fuse_for_decode(model: Transformer) -> Transformer:
         attn, ffn = layer.attention, layer.feed_forward
         attn.wqkv, layer.attention_norm = fold(attn.wqkv, layer.attention_norm)
         attn.wo = FusedLinear(attn.wo)
-        if hasattr(ffn, "w13"):  # (an MoE layer's experts keep the plain path for now)
+        if hasattr(ffn, "w13"):
             ffn.w13, layer.ffn_norm = fold(ffn.w13, layer.ffn_norm)
             ffn.w2 = FusedLinear(ffn.w2)
+        else:  # an MoE layer: each expert's Linears (its norm stays in front: the router reads it too)
+            for expert in ffn.experts:
+                expert.w13, expert.w2 = FusedLinear(expert.w13), FusedLinear(expert.w2)
         if fused_attention:
             attn.__class__ = FusedAttention  # same state, the kernel's forward in front
     model.output, model.norm = fold(model.output, model.norm)

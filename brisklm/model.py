@@ -367,6 +367,18 @@ class FeedForward(nn.Module):
         return self.w2(self.act(gate) * up)
 
 
+def prepare_formats(root: nn.Module, device, compiled: bool = False):
+    """`prepare` every weight format under root (a format's own modules are
+    its business, and an MoE layer's experts the layer's)."""
+    todo = list(root.children())
+    while todo:
+        module = todo.pop()
+        if isinstance(module, (WeightFormat, MoEFeedForward)):
+            module.prepare(torch.device(device), compiled)
+        else:
+            todo.extend(module.children())
+
+
 class MoEFeedForward(nn.Module):
     """Mixture of experts (Mixtral, Qwen3-MoE): a router (`gate`) picks
     num_experts_per_tok of the SwiGLU `experts` for each token, and their
@@ -439,10 +451,7 @@ class MoEFeedForward(nn.Module):
 
     def prepare(self, device, compiled=False):
         """Lay each expert's formats out for the device, then stack them."""
-        for expert in self.experts:
-            for module in expert.modules():
-                if isinstance(module, WeightFormat):
-                    module.prepare(device, compiled)
+        prepare_formats(self.experts, device, compiled)
         self.stacked = None
         self.stack()
 
@@ -494,14 +503,7 @@ class Transformer(nn.Module):
     def prepare(self, device=None, compiled: bool = False):
         """Lay every weight format out for `device` (by default where the model
         is; compiled: for a compiled decode step). Call it after moving the model."""
-        device = torch.device(device or self.device)
-        todo = list(self.children())
-        while todo:  # (a format's own modules are its business, and the experts' theirs)
-            module = todo.pop()
-            if isinstance(module, (WeightFormat, MoEFeedForward)):
-                module.prepare(device, compiled)
-            else:
-                todo.extend(module.children())
+        prepare_formats(self, torch.device(device or self.device), compiled)
         return self
 
     def tie_weights(self):

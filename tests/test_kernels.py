@@ -102,6 +102,31 @@ for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
                 ids = lb[:, -1:].argmax(-1)
         assert bool(calls) == (dtype == torch.bfloat16), (dtype, mode, len(calls))
         print(mode, "ok")
+# An MoE model: each expert's Linears through the kernels, tokens grouped by
+# expert (eager) and each token's experts indexed on the device (by_slot).
+moe = ModelArgs(**{**args.to_dict(), "num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": False})
+for mode, group in (("int8", None), ("int4", 32)):
+    qargs, qstate = quantize_state_dict(moe, random_state_dict(moe, torch.float32, std=0.1), mode, group or 32)
+    dense = {}
+    for name, t in qstate.items():
+        base, _, suffix = name.rpartition("_")
+        if suffix in ("int4", "int8"):
+            dense[base] = dequantize(quantized_entries(qstate, base))
+        elif suffix not in ("scale", "zero"):
+            dense[name] = t
+    a, b = fuse_for_decode(build_model(qargs, qstate)), build_model(qargs, dense)
+    assert isinstance(a.layers[0].feed_forward.experts[3].w2, FusedLinear)
+    for m in (a, b):
+        m.setup_caches(1, 16)
+        m.prepare()
+    with torch.no_grad():
+        la, lb = a(torch.tensor([[1, 5, 9, 3]]), torch.arange(4)), b(torch.tensor([[1, 5, 9, 3]]), torch.arange(4))
+        ta, tb = (m(lb[:, -1:].argmax(-1), torch.tensor([4])) for m in (a, b))
+        assert ((ta - tb).norm() / tb.norm()).item() < 1e-5, mode
+        ffn, x = a.layers[1].feed_forward, torch.randn(1, 64)
+        weights, chosen = ffn.route(x)
+        assert torch.allclose(ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen), atol=1e-5)
+    print("moe", mode, "ok")
 """
 
 
@@ -162,7 +187,7 @@ def test_few_rows_matmul_matches_fp64_for_every_format():
 @pytest.mark.slow
 def test_quantized_model_through_the_kernels_matches_its_dequantized_weights():
     out = run_interpreted(MODEL_CHILD)
-    assert out.split() == ["int8", "ok", "fp8", "ok", "int4", "ok"] * 2
+    assert out.split() == ["int8", "ok", "fp8", "ok", "int4", "ok"] * 2 + ["moe", "int8", "ok", "moe", "int4", "ok"]
 
 
 ATTENTION_CHILD = r"""
