@@ -37,16 +37,17 @@ SUFFIXES = ("_int8", "_fp8", "_int4", "_scale", "_zero")
 
 def local_args(args: ModelArgs, world: int) -> ModelArgs:
     """The shapes of one rank's model: 1/world of the heads and intermediate units."""
-    inner = args.moe_intermediate_size or args.intermediate_size
+    # (an MoE model's experts may have a size of their own: the dense one is then unused)
+    mlp = (("moe_intermediate_size", args.moe_intermediate_size) if args.num_local_experts and
+           args.moe_intermediate_size else ("intermediate_size", args.intermediate_size))
     for what, n in (("num_attention_heads", args.num_attention_heads),
-                    ("num_key_value_heads", args.num_key_value_heads),
-                    ("intermediate_size", args.intermediate_size),
-                    ("moe_intermediate_size", inner)):
+                    ("num_key_value_heads", args.num_key_value_heads), mlp):
         if n % world:
             raise ValueError(f"{what}={n} does not divide by the tensor-parallel world size {world}")
     return replace(args, num_attention_heads=args.num_attention_heads // world,
                    num_key_value_heads=args.num_key_value_heads // world,
-                   intermediate_size=args.intermediate_size // world,
+                   intermediate_size=args.intermediate_size // world if mlp[0] == "intermediate_size"
+                   else args.intermediate_size,
                    moe_intermediate_size=args.moe_intermediate_size and args.moe_intermediate_size // world,
                    head_dim=args.head_dim)
 
