@@ -105,12 +105,11 @@ def out_of_memory(name: str, device, doing: str):
                          + (f" ({free / 1e9:.1f} GB free now)" if free is not None else "") + f": {first}") from None
 
 
-def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="model", quiet=True):
-    """Apply a quantization mode to a loaded canonical state dict -> (args, state).
-
-    "gguf" / "auto" expect the reader to have kept a GGUF file's Q4 blocks
-    (checkpoints.load(keep_gguf_blocks=gguf_blocks_to_keep(device))); the
-    others quantize here."""
+def check_kept_blocks(state, mode: str, name="model", quiet=True):
+    """Where a GGUF file's blocks were kept as they are ("gguf" / "auto":
+    checkpoints.load(keep_gguf_blocks=gguf_blocks_to_keep(device))), say how
+    many; "gguf" with none to keep is an error. (Every other mode quantizes
+    as the reader reads: quantize.quantizer, gptq.GPTQStream.)"""
     int4 = sum(k.endswith("_int4") for k in state)
     q8 = sum(k.endswith("_int8") and state[k[:-5] + "_scale"].dim() == 2 for k in state
              if not k.startswith("tok_embeddings"))
@@ -120,22 +119,6 @@ def quantize_loaded(args, state, tokenizer, mode: str, groupsize: int, name="mod
     if int4 + q8 and mode in ("gguf", "auto"):
         log(f"Kept {int4} int4 and {q8} grouped int8 (Q8_0) matrices as stored "
             f"(--quantize none to dequantize them)", quiet)
-    progress = None if quiet else progress_bar
-    try:
-        if mode == "int4-gptq":
-            from .gptq import calibration_ids, gptq_quantize_state_dict
-            if tokenizer is None:
-                raise BriskError(f"{name}: int4-gptq needs a tokenizer for its calibration text")
-            with step(f"Quantizing to int4 with GPTQ (group {groupsize}), layer by layer", "Quantized", quiet):
-                return gptq_quantize_state_dict(args, state, calibration_ids(tokenizer), groupsize, progress)
-        if mode in ("int8", "q8_0", "int4", "fp8"):
-            from .quantize import quantize_state_dict
-            with step(f"Quantizing to {mode}" + (f" (group {groupsize})" if mode == "int4" else ""),
-                      "Quantized", quiet):
-                return quantize_state_dict(args, state, mode, groupsize, progress)
-    except ValueError as e:
-        raise BriskError(f"{name}: {e}") from None
-    return args, state
 
 
 def supported_context(args) -> int:
@@ -557,7 +540,9 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
             transform = quantizer(quantize, groupsize)
         except ValueError as e:
             raise BriskError(str(e)) from None
-    elif quantize == "int4-gptq" and preset is None:  # layer by layer as it loads, calibrated on a fixed text
+    elif quantize == "int4-gptq":  # layer by layer as it loads, calibrated on a fixed text
+        if preset is not None:
+            raise BriskError(f"{preset}: int4-gptq needs a tokenizer for its calibration text (a preset has none)")
         from .checkpoints import read_tokenizer
         from .gptq import GPTQStream, calibration_ids
         try:
@@ -614,7 +599,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     if quantized_as_read:
         args = untied(args, state)
     elif world == 1:
-        args, state = quantize_loaded(args, state, tokenizer, quantize, groupsize, name, quiet)
+        check_kept_blocks(state, quantize, name, quiet)
     args = shapes(args)
     if quantize == "q8_0" and torch.device(device).type == "cpu" and not compile:
         log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", quiet)

@@ -363,7 +363,7 @@ def _size(path: str) -> int:
 
 
 def cmd_quantize(args):
-    from .api import gptq_errors, progress_bar, log, parse_dtype, quantize_loaded, step
+    from .api import check_kept_blocks, gptq_errors, progress_bar, log, parse_dtype, step
     from .checkpoints import load, resolve
     from .checkpoints.native import NativeWriter, save_native
     from .quantize import quantizer, untied
@@ -403,10 +403,9 @@ def cmd_quantize(args):
             written[key] = None
         writer.finish(untied(ckpt.args, written), ckpt.tokenizer, quantization=scheme)
     else:
-        model_args, state = quantize_loaded(ckpt.args, ckpt.state_dict, ckpt.tokenizer, args.mode,
-                                            args.groupsize, ckpt.path, quiet=False)
+        check_kept_blocks(ckpt.state_dict, args.mode, ckpt.path, quiet=False)
         with step(f"Writing {output}", "Written"):
-            save_native(output, model_args, state, ckpt.tokenizer, quantization=scheme)
+            save_native(output, ckpt.args, ckpt.state_dict, ckpt.tokenizer, quantization=scheme)
     source_bytes, written_bytes = _size(ckpt.path), _size(output)
     if written_bytes > source_bytes:
         log(f"Note: {output} ({written_bytes / 1e6:.0f} MB) is larger than its source ({source_bytes / 1e6:.0f} MB), "

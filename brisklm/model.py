@@ -480,6 +480,8 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
+        # the distinct sliding windows of the layers (None: full attention), a mask each
+        self.windows = sorted({args.window(i) for i in range(args.num_hidden_layers)}, key=lambda w: w or 0)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
         self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_seq_length = 0
@@ -525,10 +527,6 @@ class Transformer(nn.Module):
             self.register_buffer(prefix + "_sin", sin, persistent=False)
         self.max_seq_length = max_seq_length
 
-    @property
-    def windows(self) -> list[int | None]:
-        """The distinct sliding windows of the layers (None: full attention)."""
-        return sorted({layer.attention.window for layer in self.layers}, key=lambda w: w or 0)
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor | None = None,
                 kv_len: int | None = None, block_mask: dict | None = None, depth: int | None = None):
@@ -625,6 +623,16 @@ def decode_block_mask(block_mask: BlockMask, input_pos: torch.Tensor) -> BlockMa
     row.mask_mod = lambda b, h, q_idx, kv_idx: base(b, h, q_idx + input_pos[0], kv_idx)
     row.seq_lengths = (1, block_mask.seq_lengths[1])
     return row
+
+
+def layer_part(name: str) -> str:
+    """A layer tensor's name within its layer, an expert's as the dense MLP's
+    ("layers.3.feed_forward.experts.5.w2.weight" -> "feed_forward.w2.weight");
+    "" outside the layers."""
+    local = name.split(".", 2)[2] if name.startswith("layers.") else ""
+    if local.startswith("feed_forward.experts."):
+        local = "feed_forward." + local.split(".", 3)[3]
+    return local
 
 
 def canonical_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:

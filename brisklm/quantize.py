@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import FORMATS, Format, WeightFormat, canonical_names, format_entries
+from .model import FORMATS, Format, WeightFormat, canonical_names, format_entries, layer_part
 from .modes import GROUP_SIZES, RTN_MODES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -48,12 +48,7 @@ def quantized_linear_names(args) -> list[str]:
 
 
 def is_quantized_linear(name: str) -> bool:
-    if name == "output.weight":
-        return True
-    local = name.split(".", 2)[2] if name.startswith("layers.") else ""
-    if local.startswith("feed_forward.experts."):  # "feed_forward.experts.3.w13.weight"
-        local = "feed_forward." + local.split(".", 3)[3]
-    return local in LINEARS
+    return name == "output.weight" or layer_part(name) in LINEARS
 
 
 # --- the formats ----------------------------------------------------------------

@@ -28,37 +28,29 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from .model import ModelArgs, canonical_names
+from .model import FORMATS, ModelArgs, canonical_names, layer_part
 
 COLUMN = ("attention.wqkv.weight", "attention.wqkv.bias", "feed_forward.w13.weight")
 ROW = ("attention.wo.weight", "feed_forward.w2.weight")
-SUFFIXES = ("_int8", "_fp8", "_int4", "_scale", "_zero")
 
 
 def local_args(args: ModelArgs, world: int) -> ModelArgs:
-    """The shapes of one rank's model: 1/world of the heads and intermediate units."""
-    # (an MoE model's experts may have a size of their own: the dense one is then unused)
-    mlp = (("moe_intermediate_size", args.moe_intermediate_size) if args.num_local_experts and
-           args.moe_intermediate_size else ("intermediate_size", args.intermediate_size))
-    for what, n in (("num_attention_heads", args.num_attention_heads),
-                    ("num_key_value_heads", args.num_key_value_heads), mlp):
+    """The shapes of one rank's model: 1/world of the heads and intermediate
+    units (an MoE model's experts' own size where they have one)."""
+    mlp = "moe_intermediate_size" if args.num_local_experts and args.moe_intermediate_size else "intermediate_size"
+    split = {k: getattr(args, k) for k in ("num_attention_heads", "num_key_value_heads", mlp)}
+    for what, n in split.items():
         if n % world:
             raise ValueError(f"{what}={n} does not divide by the tensor-parallel world size {world}")
-    return replace(args, num_attention_heads=args.num_attention_heads // world,
-                   num_key_value_heads=args.num_key_value_heads // world,
-                   intermediate_size=args.intermediate_size // world if mlp[0] == "intermediate_size"
-                   else args.intermediate_size,
-                   moe_intermediate_size=args.moe_intermediate_size and args.moe_intermediate_size // world,
-                   head_dim=args.head_dim)
+    return replace(args, **{k: n // world for k, n in split.items()})
 
 
 def _split(name: str) -> tuple[str, str | None]:
-    """(canonical weight name, how it splits: "column", "row" or None) of a state-dict entry."""
-    base = next((name[:-len(s)] for s in SUFFIXES if name.endswith(s)), name)
-    base = base if base.endswith((".weight", ".bias")) else base + ".weight"  # ("..._int4" -> "....weight")
-    local = base.split(".", 2)[2] if base.startswith("layers.") else ""
-    if local.startswith("feed_forward.experts."):  # each expert splits as a dense MLP does
-        local = "feed_forward." + local.split(".", 3)[3]
+    """(canonical weight name, how it splits: "column", "row" or None) of a
+    state-dict entry: a dense tensor, or a quantized part (`{name}_{part}`)."""
+    parts = {part for fmt in FORMATS.values() for part in fmt.parts}
+    base = next((name[:-len(p) - 1] for p in parts if name.endswith("_" + p)), name)
+    local = layer_part(base)
     return base, "column" if local in COLUMN else "row" if local in ROW else None
 
 

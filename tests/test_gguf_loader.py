@@ -114,6 +114,15 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
     w.close()
 
 
+def assert_logits_match(ckpt, model, tokens: int, cache: int):
+    """Our model built from ckpt gives transformers' fp32 logits (<= 1e-4) on seeded random ids."""
+    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours.setup_caches(1, cache)
+    ids = torch.randint(0, 97, (1, tokens), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (ours(ids, torch.arange(tokens)) - model(ids).logits).abs().max() <= 1e-4
+
+
 @pytest.fixture(params=[False, True], ids=["untied", "tied"])
 def hf_model(request, tmp_path):
     torch.manual_seed(0)
@@ -145,11 +154,7 @@ def test_gguf_model_matches_transformers_logits(tmp_path, hf_model):
     model, tied = hf_model
     write_gguf(model, tmp_path / "m.gguf", tied=tied)
     ckpt = load(str(tmp_path / "m.gguf"), dtype=torch.float32)
-    ours = build_model(ckpt.args, ckpt.state_dict)
-    ours.setup_caches(1, 32)
-    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (ours(ids, torch.arange(12)) - model(ids).logits).abs().max() <= 1e-4
+    assert_logits_match(ckpt, model, tokens=12, cache=32)
 
 
 def test_qwen3_gguf_matches_transformers_logits(tmp_path):
@@ -166,11 +171,7 @@ def test_qwen3_gguf_matches_transformers_logits(tmp_path):
     write_gguf(model, tmp_path / "q3.gguf", arch="qwen3")
     ckpt = load(str(tmp_path / "q3.gguf"), dtype=torch.float32)
     assert ckpt.args.qk_norm and ckpt.args.head_dim == 32 and not ckpt.args.attention_bias
-    ours = build_model(ckpt.args, ckpt.state_dict)
-    ours.setup_caches(1, 32)
-    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (ours(ids, torch.arange(12)) - model(ids).logits).abs().max() <= 1e-4
+    assert_logits_match(ckpt, model, tokens=12, cache=32)
 
 
 def write_q8_0_copy(tmp_path, model, tied, suffixes=("ffn_down.weight",)):
@@ -221,11 +222,7 @@ def test_gemma3_gguf_matches_transformers_logits(tmp_path):
     write_gguf(model, tmp_path / "g3.gguf", tied=True, arch="gemma3")
     ckpt = load(str(tmp_path / "g3.gguf"), dtype=torch.float32)
     assert ckpt.args.layer_types == config.layer_types and ckpt.args.sandwich_norms
-    ours = build_model(ckpt.args, ckpt.state_dict)
-    ours.setup_caches(1, 32)
-    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4
+    assert_logits_match(ckpt, model, tokens=20, cache=32)
 
 
 def test_smollm3_gguf_every_fourth_layer_without_rope_matches_transformers_logits(tmp_path):
@@ -237,11 +234,7 @@ def test_smollm3_gguf_every_fourth_layer_without_rope_matches_transformers_logit
     write_gguf(model, tmp_path / "s3.gguf", tied=True, arch="smollm3")
     ckpt = load(str(tmp_path / "s3.gguf"), dtype=torch.float32)
     assert ckpt.args.no_rope_layers == [1, 1, 1, 0]
-    ours = build_model(ckpt.args, ckpt.state_dict)
-    ours.setup_caches(1, 32)
-    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4
+    assert_logits_match(ckpt, model, tokens=20, cache=32)
 
 
 def test_phi3_gguf_with_longrope_matches_transformers_logits(tmp_path):
@@ -257,11 +250,7 @@ def test_phi3_gguf_with_longrope_matches_transformers_logits(tmp_path):
     write_gguf(model, tmp_path / "phi3.gguf", arch="phi3")
     ckpt = load(str(tmp_path / "phi3.gguf"), dtype=torch.float32)
     assert ckpt.args.rope_scaling["rope_type"] == "longrope"
-    ours = build_model(ckpt.args, ckpt.state_dict)
-    ours.setup_caches(1, 64)  # (within the original context: the short factors)
-    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (ours(ids, torch.arange(20)) - model(ids).logits).abs().max() <= 1e-4
+    assert_logits_match(ckpt, model, tokens=20, cache=64)  # (within the original context: the short factors)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3moe"], ids=["mixtral", "qwen3moe"])
@@ -281,11 +270,7 @@ def test_moe_gguf_in_llama_cpp_stacked_expert_layout_matches_transformers(tmp_pa
     write_gguf(model, tmp_path / "moe.gguf", arch=arch)
     ckpt = load(str(tmp_path / "moe.gguf"), dtype=torch.float32)
     assert ckpt.args.num_local_experts == 4 and ckpt.args.num_experts_per_tok == 2
-    ours = build_model(ckpt.args, ckpt.state_dict)
-    ours.setup_caches(1, 32)
-    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert (ours(ids, torch.arange(12)) - model(ids).logits).abs().max() <= 1e-4
+    assert_logits_match(ckpt, model, tokens=12, cache=32)
 
 
 def test_quantized_gguf_tensors_are_dequantized_by_the_gguf_library(tmp_path, hf_model):
