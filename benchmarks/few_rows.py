@@ -60,40 +60,89 @@ def timed_us(fn, xs, reps=20):
     return start.elapsed_time(end) * 1e3 / reps
 
 
-SWEEP = [(64, 128, 4, 3), (32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4),
-         (64, 128, 8, 4), (16, 256, 4, 4), (128, 256, 8, 3), (64, 64, 4, 4)]
+def sweep_grid():
+    """(BLOCK_N, BLOCK_K, warps, stages, SWAP, programs) candidates for matmul.CONFIG."""
+    for swap in (False, True):
+        for block_n, block_k in ((32, 256), (64, 128), (64, 256), (128, 128), (128, 64)):
+            for warps in (4, 8):
+                for stages in (2, 4):
+                    for programs in (264, 528):
+                        yield block_n, block_k, warps, stages, swap, programs
 
 
-def sweep(tokens=(5, 35)):
-    """One layer's matrices and the output layer in int8 and int4 for each of SWEEP's blocks."""
+def gemv_call(fmt, parts):
+    """One token through the decode GEMV (fusion.FusedLinear.one_token's route), for x (K,)."""
+    from brisklm.kernels import gemv
+    if fmt == "bf16":
+        return lambda x: gemv.scaled_gemv(x, parts).sum(0)
+    if fmt.startswith("int4"):
+        return lambda x: gemv.int4_gemv(x, parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16()).sum(0)
+    return lambda x: gemv.scaled_gemv(x, parts["int8"]).sum(0) * parts["scale"]
+
+
+def sweep(m=5):
+    """One 8B layer's matrices and the output layer, M = m rows, per weight kind:
+    every candidate of sweep_grid (the best few printed, and the best per
+    matrix), against cuBLAS (bf16) and one token through the decode GEMV."""
     from brisklm.kernels import matmul
     device = torch.device("cuda")
-    print("| format | tokens | " + " | ".join("x".join(map(str, c)) for c in SWEEP) + " |")
-    for fmt in ("int8", "int4-g128"):
-        totals = {(m, c): 0.0 for m in tokens for c in SWEEP}
-        for n, k in SHAPES.values():
+    kinds = {"bf16": matmul.DENSE, "int8": matmul.ROW_SCALED, "int4-g128": matmul.INT4}
+    grid = list(sweep_grid())
+    best = {}
+    for fmt, kind in kinds.items():
+        totals = {c: 0.0 for c in grid}
+        per_shape = {}
+        refs = {"cublas": 0.0, "gemv (1 token)": 0.0}
+        for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k, device=device) * 0.02
-            copies = max(1, int(3e8 // (n * k)))
-            calls = [kernel_and_widened(fmt, formats(w.roll(i, 0))[fmt])[0] for i in range(copies)]
-            for m in tokens:
-                x = torch.randn(m, k, device=device).bfloat16()
-                for c in SWEEP:
-                    matmul.BLOCKS = c
-                    turn = iter(range(10**9))
-                    totals[m, c] += timed_us(lambda x: calls[next(turn) % copies](x), [x])
-            del calls, w
-        for m in tokens:
-            print(f"| {fmt} | {m} | " + " | ".join(f"{totals[m, c]:.0f}" for c in SWEEP) + " |")
-    matmul.BLOCKS = SWEEP[0]
+            copies = max(2, int(6e8 // (n * k * (2 if fmt == "bf16" else 1))))
+            parts = [(w.roll(i, 0).bfloat16() if fmt == "bf16" else formats(w.roll(i, 0))[fmt])
+                     for i in range(copies)]
+            del w
+            if fmt == "bf16":
+                calls = [lambda x, p=p: few_rows_matmul(x, p) for p in parts]
+            else:
+                calls = [kernel_and_widened(fmt, p)[0] for p in parts]
+            x = torch.randn(m, k, device=device).bfloat16()
+            x1 = x[0].contiguous()
+            turn = iter(range(10**9))
+            if fmt == "bf16":
+                refs["cublas"] += timed_us(lambda x: F.linear(x, parts[next(turn) % copies]), [x])
+            gemvs = [gemv_call(fmt, p) for p in parts]
+            refs["gemv (1 token)"] += timed_us(lambda x: gemvs[next(turn) % copies](x), [x1])
+            for c in grid:
+                matmul.CONFIG[kind] = c
+                try:
+                    t = timed_us(lambda x: calls[next(turn) % copies](x), [x])
+                except Exception as e:  # (a block that does not fit the chip's resources)
+                    print(f"{fmt} {name} {c}: {type(e).__name__}", flush=True)
+                    t = float("inf")
+                totals[c] += t
+                per_shape[name, c] = t
+            del parts, calls, gemvs
+            torch.cuda.empty_cache()
+        ranked = sorted(grid, key=totals.get)
+        best[fmt] = ranked[0]
+        print(f"\n{fmt}, {m} rows, us for the 5 matrices: " + ", ".join(f"{k} {v:.0f}" for k, v in refs.items()))
+        for c in ranked[:6]:
+            print(f"  {c}: {totals[c]:.0f} us")
+        for name in SHAPES:
+            c = min(grid, key=lambda c: per_shape[name, c])
+            print(f"  best for {name}: {c} {per_shape[name, c]:.1f} us (chosen: {per_shape[name, ranked[0]]:.1f})")
+        matmul.CONFIG[kind] = ranked[0]
+    print("CONFIG = " + repr({kinds[f]: c for f, c in best.items()}))
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="2,5,9,17,35,64")
-    parser.add_argument("--sweep", action="store_true", help="time other blocks (matmul.BLOCKS) first")
+    parser.add_argument("--sweep", action="store_true", help="time other blocks (matmul.CONFIG) first")
+    parser.add_argument("--sweep_only", action="store_true")
     opts = parser.parse_args()
-    if opts.sweep:
+    if opts.sweep or opts.sweep_only:
         sweep()
+        if opts.sweep_only:
+            return
     device = torch.device("cuda")
     torch.manual_seed(0)
     ceiling = read_ceiling_gb_s(device)

@@ -4,11 +4,12 @@ decides whether speculation pays), on a preset with random weights.
     PYTHONPATH=. python3 benchmarks/verify_cost.py [--preset llama-3.1-8b] [--quantize int4] [--start 512]
 
 For K = 1..8 drafts: the target forward over K + 1 tokens at position
---start as speculative decoding runs it (Generator.logits: padded to a
-bucket and replayed from a CUDA graph on CUDA), timed with CUDA events over
---reps replays, divided by one decode step of the same model (the default
-path: compiled, from a CUDA graph), timed over 128 greedy tokens.
-Prints a table last.
+--start as speculative decoding runs it (Generator.logits: compiled, its
+rows padded to --rows (a speculative run pads to draft_tokens + 1), from a
+CUDA graph; --no_compile: uncompiled, padded to a bucket and replayed from a
+CUDA graph), timed over --reps runs, divided by one decode step of the same
+model (compiled, from a CUDA graph), timed over 128 greedy tokens. Prints a
+table last.
 """
 from __future__ import annotations
 
@@ -43,10 +44,14 @@ def main():
     ap.add_argument("--groupsize", type=int, default=128)
     ap.add_argument("--start", type=int, default=512)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", default="5,9", help="padded rows of the compiled verify steps: K < rows each")
+    ap.add_argument("--no_compile", action="store_true", help="the uncompiled verify step (graphed)")
     opts = ap.parse_args()
     llm = brisklm.load(preset=opts.preset, device="cuda", quantize=opts.quantize, groupsize=opts.groupsize,
                        quiet=False)  # (the cache brisk generate makes: its compiled step is shared)
     gen = llm.generator
+    if opts.no_compile:
+        gen._rows = None
     prompt = torch.randint(0, llm.model.args.vocab_size, (opts.start,), generator=torch.Generator().manual_seed(0))
     ids = prompt.tolist()
     rates = []
@@ -56,17 +61,23 @@ def main():
         rates.append(gen.stats.decode_tokens_per_s)
     step_ms = 1e3 / statistics.median(rates)
     rows = []
-    for k in range(1, 9):
-        tokens = ids[:k + 1]
-        ms = timed(lambda: gen.logits(tokens, opts.start), opts.reps)
-        rows.append((k, ms, ms / step_ms))
-        print(f"K={k}: {ms:.2f} ms, {ms / step_ms:.2f} decode steps", flush=True)
+    for padded in [int(r) for r in opts.rows.split(",")]:
+        gen.verify_rows = padded
+        t0 = time.perf_counter()
+        gen.logits(ids[:2], opts.start)  # (the first call compiles)
+        print(f"verify step of {padded} rows ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        for k in range(1, padded):
+            tokens = ids[:k + 1]
+            ms = timed(lambda: gen.logits(tokens, opts.start), opts.reps)
+            rows.append((padded, k, ms, ms / step_ms))
+            print(f"K={k} ({padded} rows): {ms:.2f} ms, {ms / step_ms:.2f} decode steps", flush=True)
     mode = opts.quantize or "bf16"
+    how = "uncompiled, graphed" if opts.no_compile else "compiled"
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {opts.preset} {mode}, "
-          f"position {opts.start}; decode step {step_ms:.2f} ms (compiled, graphed)")
-    print("| drafts K | verify over K+1 tokens, ms | / decode step |\n| --- | --- | --- |")
-    for k, ms, ratio in rows:
-        print(f"| {k} | {ms:.2f} | {ratio:.2f} |")
+          f"position {opts.start}; decode step {step_ms:.2f} ms (compiled, graphed); verify {how}")
+    print("| rows | drafts K | verify over K+1 tokens, ms | / decode step |\n| --- | --- | --- | --- |")
+    for padded, k, ms, ratio in rows:
+        print(f"| {padded if not opts.no_compile else 'bucket'} | {k} | {ms:.2f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

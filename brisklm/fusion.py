@@ -84,8 +84,10 @@ class FusedLinear(WeightFormat):
         return None
 
     def few_rows(self, x):
-        """(M, N) for a few tokens of quantized codes, read once on the tensor cores; or None."""
+        """(M, N) for a few tokens, the weight read once (codes widened in registers) on the tensor cores; or None."""
         w = self.inner
+        if isinstance(w, Linear):  # (where ours measured faster than cuBLAS)
+            return matmul.few_rows_matmul(x, w.weight) if x.shape[0] <= matmul.DENSE_ROWS else None
         if isinstance(w, ScaledWeightOnlyLinear):
             return matmul.few_rows_matmul(x, w.weight) * w.scale.float()
         if isinstance(w, GroupedInt8Linear):

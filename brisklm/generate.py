@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from .model import Transformer, causal_block_mask, decode_block_mask
+from .model import Transformer, causal_block_mask, decode_block_mask, rows_block_mask
 from .precompile import artifacts_path, precompiled
 from .sampling import SamplingParams, sample
 from .speculative import DraftPolicy, accept
@@ -100,6 +100,16 @@ def forward(model: Transformer, idx, input_pos, kv_len=None, last=None, depth=No
     """The model's logits as a step function (for `replayed`): a speculative
     step's verify forward over several tokens and its draft steps."""
     return model(idx, input_pos, last=last, kv_len=kv_len, depth=depth)
+
+
+def rows_logits(model: Transformer, idx, input_pos, depth=None):
+    """Logits (1, T, V) of the tokens idx (1, T) at the consecutive positions
+    input_pos (T,), attention reading only the cache blocks they can see
+    (rows_block_mask; one token's fused attention kernel reads the length
+    itself): the compiled verify step of speculative decoding (T = drafts + 1,
+    padded to one shape) and its one-token draft steps."""
+    masks = {w: rows_block_mask(model.max_seq_length, input_pos, w) for w in model.windows}
+    return model(idx, input_pos, block_mask=masks, depth=depth)
 
 
 def replayed(step):
@@ -218,6 +228,8 @@ class Generator:
         self._decode = decode_one_token
         self._prefill = prefill
         self.block_mask = None
+        self._rows = None  # the compiled verify and draft steps (rows_logits), where decoding is compiled
+        self.verify_rows = 5  # tokens a compiled verify step holds (drafts + 1; set by tokens())
         # Uncompiled on CUDA, the step is replayed from a CUDA graph where its
         # attention reads the filled length on the device (the Triton kernel
         # fusion.fuse_for_decode swapped in); BRISKLM_CUDA_GRAPHS=0 runs it op
@@ -246,6 +258,8 @@ class Generator:
                 self._decode = precompiled(decode_one_token, options, self.compile_path)
             else:
                 self._decode = torch.compile(decode_one_token, fullgraph=True, options=options)
+            # one static shape a step kind: a verify step pads its rows, a draft step has one
+            self._rows = torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options)
         moe = model.args.num_local_experts > 0
         if compile_prefill and not moe:  # dynamic lengths: a new prompt length does not compile again
             # (an MoE prefill groups tokens by expert on the host: it runs uncompiled)
@@ -353,6 +367,14 @@ class Generator:
         with its own cache), their keys and values into its cache; from a CUDA
         graph where one holds them (`_padded`)."""
         model = model or self.model
+        n = len(ids)
+        rows = 1 if n == 1 else self.verify_rows if last is None and n <= self.verify_rows else None
+        if self._rows is not None and rows and start + rows <= model.max_seq_length:
+            new = torch.tensor([ids + [0] * (rows - n)], dtype=torch.long, device=self.device)
+            if self.device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self._rows(model, new, torch.arange(start, start + rows, device=self.device), depth=depth)
+            return out[:, :n].clone() if last is None else out[:, last:last + 1].clone()
         new, pos, kv_len, graphed = self._padded(ids, start, model.max_seq_length, self.graphed_forward)
         at = None if last is None else torch.tensor([last], device=self.device)
         out = (self.graphed_forward if graphed else forward)(model, new, pos, kv_len=kv_len, last=at, depth=depth)
@@ -389,6 +411,7 @@ class Generator:
         token = self.prefill(prompt_ids[start:], start, params)
         self.cached.extend(prompt_ids[start:])
         if drafter is not None:
+            self.verify_rows = draft_tokens + 1
             yield from self._speculated(prompt_ids, int(token), max_new_tokens, params, stop, drafter,
                                         draft_tokens, t0, adapt_drafts)
             return

@@ -625,6 +625,23 @@ def decode_block_mask(block_mask: BlockMask, input_pos: torch.Tensor) -> BlockMa
     return row
 
 
+def rows_block_mask(max_seq_length: int, input_pos: torch.Tensor, window: int | None = None,
+                    block: int = 128) -> BlockMask:
+    """The cache blocks that T queries at the consecutive positions input_pos
+    (T,) can see, from the first query's window start (0 without a window) to
+    the last query's block, made on the device (a static-shape operation in a
+    CUDA graph). Every listed block is checked by the mask function: a block
+    wholly visible to the last query may be partly visible to the first."""
+    n = -(-max_seq_length // block)
+    first, last = input_pos[0], input_pos[-1]
+    low = (first - window + 1).clamp(min=0) // block if window else torch.zeros_like(first)
+    count = (last // block - low + 1).to(torch.int32).view(1, 1, 1)
+    indices = (low + torch.arange(n, device=input_pos.device)).clamp(max=n - 1).to(torch.int32).view(1, 1, 1, n)
+    return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=block, seq_lengths=(input_pos.shape[0], max_seq_length),
+                                    mask_mod=lambda b, h, q_idx, kv_idx: visible(q_idx + first, kv_idx, window),
+                                    compute_q_blocks=False)
+
+
 def layer_part(name: str) -> str:
     """A layer tensor's name within its layer, an expert's as the dense MLP's
     ("layers.3.feed_forward.experts.5.w2.weight" -> "feed_forward.w2.weight");

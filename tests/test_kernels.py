@@ -133,9 +133,12 @@ for mode, group in (("int8", None), ("int4", 32)):
 FEW_ROWS_CHILD = r"""
 import torch
 import torch.nn.functional as F
+from brisklm.kernels import matmul
 from brisklm.kernels.matmul import FEW_ROWS, few_rows_matmul, supported
 from brisklm.quantize import dequantize, quantize_fp8, quantize_int4, quantize_int8
 torch.manual_seed(0)
+SWAP = SWAP_SETTING  # the weight tile as the dot's first operand, or second
+matmul.CONFIG = {kind: (32, 64, 4, 2, SWAP, 64) for kind in matmul.CONFIG}
 assert supported(torch.zeros(2, 8, dtype=torch.bfloat16)) and not supported(torch.zeros(1, 8, dtype=torch.bfloat16))
 assert not supported(torch.zeros(FEW_ROWS + 1, 8, dtype=torch.bfloat16))
 worst = 0.0
@@ -143,14 +146,16 @@ worst = 0.0
 for n, k, m in ((960, 576, 5), (37, 200, 17), (100, 96, FEW_ROWS)):
     w = torch.randn(n, k) * 0.02
     x = torch.randn(m, k).to(torch.bfloat16)
-    cases = [("int8", quantize_int8(w)), ("fp8", quantize_fp8(w))]
+    cases = [("int8", quantize_int8(w)), ("fp8", quantize_fp8(w)), ("dense", {"weight": w.to(x.dtype)})]
     cases += [(f"int4-g{g}", quantize_int4(w, g, torch.bfloat16)) for g in (32, 128) if k >= g]
     if k % 32 == 0:  # GGUF Q8_0: an fp16 scale per 32 inputs
         q8 = quantize_int8(w, 32)
         cases.append(("q8_0", {"int8": q8["int8"], "scale": q8["scale"].half()}))
     for name, parts in cases:
-        ref = x.double() @ dequantize(parts)[:, :k].double().t()
-        if "int4" in parts:
+        ref = x.double() @ (parts["weight"] if name == "dense" else dequantize(parts))[:, :k].double().t()
+        if name == "dense":
+            y = few_rows_matmul(x, parts["weight"])
+        elif "int4" in parts:
             xp = F.pad(x, (0, 2 * parts["int4"].shape[1] - k))
             y = few_rows_matmul(xp, parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16())
         elif name == "q8_0":
@@ -180,8 +185,9 @@ def test_gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes():
 
 
 @pytest.mark.slow
-def test_few_rows_matmul_matches_fp64_for_every_format():
-    assert "worst relative error" in run_interpreted(FEW_ROWS_CHILD)
+@pytest.mark.parametrize("swap", [False, True])
+def test_few_rows_matmul_matches_fp64_for_every_format(swap):
+    assert "worst relative error" in run_interpreted(FEW_ROWS_CHILD.replace("SWAP_SETTING", str(swap)))
 
 
 @pytest.mark.slow

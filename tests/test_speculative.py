@@ -270,6 +270,25 @@ def test_adaptive_speculation_with_rejected_drafts_gives_the_plain_output_with_f
 
 
 @pytest.mark.compile
+def test_compiled_verify_and_draft_steps_give_the_plain_greedy_output():
+    """Where decoding is compiled, so are the verify step (its rows padded to
+    drafts + 1) and the one-token draft steps (Generator.logits), their
+    attention reading only the cache blocks their positions see."""
+    plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
+    compiled, shapes = spec._rows, []
+    spec._rows = lambda model, idx, *a, **k: shapes.append((model is spec.model, idx.shape[1])) or compiled(
+        model, idx, *a, **k)
+    for kind in ("ngram", "self", "model"):
+        drafter = drafters(spec.model, kind)
+        for prompt in PROMPTS[:2]:
+            want = list(plain.tokens(prompt, 40, GREEDY))
+            got = list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=3, adapt_drafts=False))
+            assert got == want, (kind, prompt)
+    # verify steps of 4 rows, the target's own one-token drafts (self) and the draft model's
+    assert {(True, 4), (True, 1), (False, 1)} <= set(shapes)
+
+
+@pytest.mark.compile
 def test_steps_without_drafts_take_the_compiled_decode_step_and_change_nothing():
     plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
     for prompt in PROMPTS:  # (prompt lookup finds nothing in [3]: steps without drafts)

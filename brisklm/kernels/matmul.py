@@ -24,22 +24,26 @@ from .gemv import available, interpreted, triton
 
 FEW_ROWS = 64  # up to this many tokens, a quantized Linear on a GPU uses these kernels
 
-ROW_SCALED, GROUPED_INT8, INT4 = 0, 1, 2
+ROW_SCALED, GROUPED_INT8, INT4, DENSE = 0, 1, 2, 3
 
 if triton is not None:
     import triton.language as tl
 
-    _ROW_SCALED, _INT4 = tl.constexpr(ROW_SCALED), tl.constexpr(INT4)  # (a kernel reads constexpr globals only)
+    _ROW_SCALED, _INT4, _DENSE = tl.constexpr(ROW_SCALED), tl.constexpr(INT4), tl.constexpr(DENSE)
 
     @triton.jit
     def _few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT,
                          KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                         INTERPRET: tl.constexpr):
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:  # the weight tile as the dot's first operand (it can stay in registers), x^T second
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_first = split * K_PER_SPLIT
         for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -48,13 +52,18 @@ if triton is not None:
             if KIND == _INT4:
                 half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :],
-                                mask=col_ok[:, None] & (half[None, :] < K // 2), other=0)
+                                mask=col_ok[:, None] & (half[None, :] < K // 2), other=0,
+                                eviction_policy="evict_first")
                 codes = tl.join(pairs >> 4, pairs & 15).reshape(BLOCK_N, BLOCK_K)  # even k first
                 w = codes.to(tl.float32) - 8.0
+            elif KIND == _DENSE:
+                w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
             else:
                 ok = col_ok[:, None] & k_ok[None, :]  # (no `other`: fp8 takes none)
-                w = tl.where(ok, tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=ok).to(tl.float32), 0.0)
-            if KIND != _ROW_SCALED:
+                w = tl.where(ok, tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=ok,
+                                         eviction_policy="evict_first").to(tl.float32), 0.0)
+            if KIND != _ROW_SCALED and KIND != _DENSE:
                 if GROUP >= BLOCK_K:  # the tile lies in one group: a scale per row
                     where = cols[:, None] * (K // GROUP) + k0 // GROUP
                     ok = col_ok[:, None]
@@ -65,11 +74,15 @@ if triton is not None:
                 if KIND == _INT4:
                     w = w + tl.load(z_ptr + where, mask=ok, other=0.0).to(tl.float32)
             if INTERPRET:  # (the interpreter's dot takes no bf16)
-                acc += tl.dot(x.to(tl.float32), tl.trans(w))
+                x, w = x.to(tl.float32), w.to(tl.float32)
             else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                w = w.to(x.dtype)
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(w))
         out = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out, tl.trans(acc) if SWAP else acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -78,50 +91,67 @@ def supported(x: torch.Tensor) -> bool:
     return 1 < rows <= FEW_ROWS and x.dtype in (torch.bfloat16, torch.float16) and available(x.device)
 
 
-BLOCKS = (64, 128, 4, 3)  # BLOCK_N, BLOCK_K (at most), warps, stages
+# Per weight kind: (BLOCK_N, BLOCK_K at most, warps, stages, SWAP, programs wanted), measured
+# on an H200 (benchmarks/few_rows.py --sweep); BLOCK_M is the rows rounded up to 16.
+CONFIG = {ROW_SCALED: (64, 128, 4, 3, False, 264), GROUPED_INT8: (64, 128, 4, 3, False, 264),
+          INT4: (64, 128, 4, 3, False, 264), DENSE: (64, 128, 4, 3, False, 264)}
 
 
-def blocks(m: int, n: int, k: int, group: int | None) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): about two programs
-    per SM of an H200 (132), splitting K where the rows alone give too few."""
+def blocks(kind: int, m: int, n: int, k: int, group: int | None) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP): about
+    `programs` programs, splitting K where the tiles of N alone give too few."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k, warps, stages = BLOCKS
+    block_n, block_k, warps, stages, swap, programs = CONFIG[kind]
     block_k = block_k if group is None else min(block_k, max(group, 32))
     while k % block_k and block_k > 32:
         block_k //= 2
     steps = -(-k // block_k)
     tiles = -(-n // block_n) * -(-m // block_m)
-    split = max(1, min(steps // 4, 264 // tiles))
+    split = max(1, min(steps // 2, programs // tiles))
     while steps % split:
         split -= 1
-    return block_m, block_n, block_k, split, warps, stages
+    return block_m, block_n, block_k, split, warps, stages, swap
 
 
 def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None = None,
                     zero: torch.Tensor | None = None) -> torch.Tensor:
     """(M, N) fp32 sums of x (M, K) times the codes' weights: codes (N, K) int8
     or fp8 with no scale (the caller's per-row scale), int8 with a scale (N,
-    K/G), or int4 pairs (N, K/2) uint8 with scale and zero (N, K/G)."""
+    K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
+    weights (N, K) in x's dtype."""
     if codes.is_cuda and not interpreted():
         return _few_rows_op(x, codes, scale, zero)
     return _launch(x, codes, scale, zero)
 
 
+# Whether dense bf16 / fp16 weights take these kernels at 2..DENSE_ROWS tokens rather than cuBLAS
+# (measured on an H200: benchmarks/few_rows.py --sweep).
+DENSE_ROWS = 0
+
+
+def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
+    if codes.dtype == torch.uint8:
+        return INT4
+    if codes.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return DENSE
+    return ROW_SCALED if scale is None else GROUPED_INT8
+
+
 def _launch(x, codes, scale, zero):
-    kind = INT4 if codes.dtype == torch.uint8 else ROW_SCALED if scale is None else GROUPED_INT8
+    kind = kind_of(codes, scale)
     m, k = x.shape
     n = codes.shape[0]
     if kind == INT4 and k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
     group = None if scale is None else k // scale.shape[1]
-    block_m, block_n, block_k, split, warps, stages = blocks(m, n, k, group)
+    block_m, block_n, block_k, split, warps, stages, swap = blocks(kind, m, n, k, group)
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
     k_per_split = -(-k // block_k) // split * block_k
     absent = codes if scale is None else scale  # (pointers the kernel's format does not read)
     _few_rows_kernel[grid](x.contiguous(), codes, absent, absent if zero is None else zero, out, m, n, k,
                            k_per_split, KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=block_k, INTERPRET=interpreted(), num_warps=warps, num_stages=stages)
+                           BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(), num_warps=warps, num_stages=stages)
     return out.sum(0)
 
 
