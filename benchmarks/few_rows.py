@@ -48,24 +48,32 @@ def kernel_and_widened(name, parts):
     return (lambda x: few_rows_matmul(x, q) * s), (lambda x: F.linear(x, q.to(x.dtype)) * s)
 
 
-def timed_us(fn, xs, reps=20):
-    for x in xs:
-        fn(x)
+def graphed_us(calls, x, reps=24):
+    """Microseconds a call, calls[i % len(calls)](x) for i < reps captured in one
+    CUDA graph and replayed: the kernels' own time, not Python's launches."""
+    for call in calls[:2]:
+        call(x)  # (compiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            calls[i % len(calls)](x)
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for i in range(reps):
-        fn(xs[i % len(xs)])
+    for _ in range(3):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    return start.elapsed_time(end) * 1e3 / (3 * reps)
 
 
 def sweep_grid():
     """(BLOCK_N, BLOCK_K, warps, stages, SWAP, programs) candidates for matmul.CONFIG."""
     for swap in (False, True):
-        for block_n, block_k in ((32, 256), (64, 128), (64, 256), (128, 128), (128, 64)):
+        for block_n, block_k in ((32, 256), (64, 128), (64, 256), (128, 64)):
             for warps in (4, 8):
-                for stages in (2, 4):
+                for stages in (3,):
                     for programs in (264, 528):
                         yield block_n, block_k, warps, stages, swap, programs
 
@@ -80,13 +88,14 @@ def gemv_call(fmt, parts):
     return lambda x: gemv.scaled_gemv(x, parts["int8"]).sum(0) * parts["scale"]
 
 
-def sweep(m=5):
+def sweep(m=5, fmts=("bf16", "int8", "int4-g128")):
     """One 8B layer's matrices and the output layer, M = m rows, per weight kind:
     every candidate of sweep_grid (the best few printed, and the best per
     matrix), against cuBLAS (bf16) and one token through the decode GEMV."""
     from brisklm.kernels import matmul
     device = torch.device("cuda")
-    kinds = {"bf16": matmul.DENSE, "int8": matmul.ROW_SCALED, "int4-g128": matmul.INT4}
+    kinds = {f: k for f, k in {"bf16": matmul.DENSE, "int8": matmul.ROW_SCALED, "int4-g128": matmul.INT4}.items()
+             if f in fmts}
     grid = list(sweep_grid())
     best = {}
     for fmt, kind in kinds.items():
@@ -105,21 +114,19 @@ def sweep(m=5):
                 calls = [kernel_and_widened(fmt, p)[0] for p in parts]
             x = torch.randn(m, k, device=device).bfloat16()
             x1 = x[0].contiguous()
-            turn = iter(range(10**9))
             if fmt == "bf16":
-                refs["cublas"] += timed_us(lambda x: F.linear(x, parts[next(turn) % copies]), [x])
-            gemvs = [gemv_call(fmt, p) for p in parts]
-            refs["gemv (1 token)"] += timed_us(lambda x: gemvs[next(turn) % copies](x), [x1])
+                refs["cublas"] += graphed_us([lambda x, p=p: F.linear(x, p) for p in parts], x)
+            refs["gemv (1 token)"] += graphed_us([gemv_call(fmt, p) for p in parts], x1)
             for c in grid:
                 matmul.CONFIG[kind] = c
                 try:
-                    t = timed_us(lambda x: calls[next(turn) % copies](x), [x])
+                    t = graphed_us(calls, x)
                 except Exception as e:  # (a block that does not fit the chip's resources)
                     print(f"{fmt} {name} {c}: {type(e).__name__}", flush=True)
                     t = float("inf")
                 totals[c] += t
                 per_shape[name, c] = t
-            del parts, calls, gemvs
+            del parts, calls
             torch.cuda.empty_cache()
         ranked = sorted(grid, key=totals.get)
         best[fmt] = ranked[0]
@@ -130,7 +137,9 @@ def sweep(m=5):
             c = min(grid, key=lambda c: per_shape[name, c])
             print(f"  best for {name}: {c} {per_shape[name, c]:.1f} us (chosen: {per_shape[name, ranked[0]]:.1f})")
         matmul.CONFIG[kind] = ranked[0]
-    print("CONFIG = " + repr({kinds[f]: c for f, c in best.items()}))
+        if fmt == "bf16" and totals[ranked[0]] < refs["cublas"]:
+            matmul.DENSE_ROWS = 16
+    print("CONFIG = " + repr({kinds[f]: c for f, c in best.items()}) + f"; DENSE_ROWS = {matmul.DENSE_ROWS}")
 
 
 def main():
@@ -165,9 +174,8 @@ def main():
                 ref = x.double() @ ref_w.t()
                 err = ((y - ref).norm() / ref.norm()).item()
                 worst[fmt] = max(worst.get(fmt, 0), err)
-                turn = iter(range(10**9))
-                total[m][0] += timed_us(lambda x: calls[next(turn) % copies][0](x), [x])
-                total[m][1] += timed_us(lambda x: calls[next(turn) % copies][1](x), [x])
+                total[m][0] += graphed_us([c[0] for c in calls], x)
+                total[m][1] += graphed_us([c[1] for c in calls], x)
             del parts, calls, w
         for m in tokens:
             few, wide = total[m]

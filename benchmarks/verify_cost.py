@@ -46,7 +46,12 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", default="5,9", help="padded rows of the compiled verify steps: K < rows each")
     ap.add_argument("--no_compile", action="store_true", help="the uncompiled verify step (graphed)")
+    ap.add_argument("--sweep", default=None, help="first run few_rows.py's sweep for these formats (bf16,int8,"
+                    "int4-g128) and keep its best blocks")
     opts = ap.parse_args()
+    if opts.sweep:
+        import few_rows
+        few_rows.sweep(fmts=opts.sweep.split(","))
     llm = brisklm.load(preset=opts.preset, device="cuda", quantize=opts.quantize, groupsize=opts.groupsize,
                        quiet=False)  # (the cache brisk generate makes: its compiled step is shared)
     gen = llm.generator
