@@ -1,5 +1,5 @@
 """A few tokens times quantized weights, in Triton (CUDA only): prefill of a
-short prompt, and later the verify step of speculative decoding.
+short prompt, and the verify step of speculative decoding.
 
 At up to FEW_ROWS tokens a Linear still costs its weight's bytes, not its
 arithmetic, so it should read the codes once, as the GEMVs do. The plain path
@@ -9,11 +9,13 @@ Llama-3.1-8B on an H200: 25 ms to first token for a 5-token prompt, against
 2.4 ms a decode step). Here each program loads a (BLOCK_N, BLOCK_K) tile of
 codes, widens it in registers and multiplies it with the rows of x on the
 tensor cores (tl.dot), accumulating in fp32; the slices of K (SPLIT_K) give
-the GPU enough programs when N is small, and are summed by the caller.
+the GPU enough programs when N is small, and are summed by the caller. SWAP
+puts the weight tile first in the dot and x second (the int8 kernel's choice).
 
 Formats (quantize.py): int8 or fp8 (N, K) codes whose per-row scale the
 caller applies; int8 with a scale per group (GGUF Q8_0); int4 (N, K/2) with
-two codes a byte, even k in the high nibble, w = (q - 8) s + z per group.
+two codes a byte, even k in the high nibble, w = (q - 8) s + z per group;
+dense weights (N, K), read as they are (unused where cuBLAS is faster).
 The same launch runs under TRITON_INTERPRET=1 on CPU tensors (the tests).
 """
 from __future__ import annotations
@@ -91,10 +93,13 @@ def supported(x: torch.Tensor) -> bool:
     return 1 < rows <= FEW_ROWS and x.dtype in (torch.bfloat16, torch.float16) and available(x.device)
 
 
-# Per weight kind: (BLOCK_N, BLOCK_K at most, warps, stages, SWAP, programs wanted), measured
-# on an H200 (benchmarks/few_rows.py --sweep); BLOCK_M is the rows rounded up to 16.
-CONFIG = {ROW_SCALED: (64, 128, 4, 3, False, 264), GROUPED_INT8: (64, 128, 4, 3, False, 264),
-          INT4: (64, 128, 4, 3, False, 264), DENSE: (64, 128, 4, 3, False, 264)}
+# Per weight kind: (BLOCK_N, BLOCK_K at most, warps, stages, SWAP, programs wanted); BLOCK_M is
+# the rows rounded up to 16. Measured on an H200 at 5 rows over the 8B shapes (benchmarks/few_rows.py
+# --sweep, 2026-12-02), where 32 candidates each spanned 4-10%: int8 356 us for a layer and the
+# output layer (one token through the GEMVs: 205), int4 g128 335 (156), dense bf16 364 against
+# cuBLAS's 356 (so DENSE_ROWS stays 0). Q8_0's scale per 32 inputs was not swept.
+CONFIG = {ROW_SCALED: (64, 128, 4, 3, True, 528), GROUPED_INT8: (64, 128, 4, 3, False, 264),
+          INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, False, 264)}
 
 
 def blocks(kind: int, m: int, n: int, k: int, group: int | None) -> tuple[int, ...]:
@@ -124,8 +129,8 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     return _launch(x, codes, scale, zero)
 
 
-# Whether dense bf16 / fp16 weights take these kernels at 2..DENSE_ROWS tokens rather than cuBLAS
-# (measured on an H200: benchmarks/few_rows.py --sweep).
+# Dense bf16 / fp16 weights take these kernels at 2..DENSE_ROWS tokens, where they beat cuBLAS
+# (on an H200 they did not: see CONFIG).
 DENSE_ROWS = 0
 
 
