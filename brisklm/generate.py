@@ -314,11 +314,21 @@ class Generator:
             if drafts:
                 logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
                 emitted = accept(logits, drafts, q, params)  # (reads the tokens: the step's time is known)
-            else:  # nothing to check: plain decoding's own step (compiled, or from a CUDA graph)
-                emitted = [self._plain_step(history[-1], here, params)]
+                steps = 1
+            else:  # nothing to check: plain decoding's own steps, queued ahead as its loop does,
+                # as many as the policy will not draft for (one where a drafter found nothing)
+                steps = min(policy.plain_steps() if policy and not n else 1, room + 1)
+                run = self._run(torch.tensor([history[-1]], device=self.device), here, steps, params)
+                next(run)  # (the token fed first: known)
+                emitted = []
+                for value in run:
+                    emitted.append(value)
+                    if value in stop:
+                        break
             if policy:
-                policy.update(len(drafts), len(emitted) - 1, time.perf_counter() - t_step)
-            stats.target_steps += 1
+                policy.update(len(drafts), len(emitted) - 1 if drafts else 0, time.perf_counter() - t_step,
+                              steps=steps)
+            stats.target_steps += steps
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
             self.cached = history + emitted[:-1]  # (the last emitted token is not in the cache yet)
             for value in emitted:
@@ -330,15 +340,32 @@ class Generator:
                     self.cached = history[:-1]
                     return
 
-    def _plain_step(self, token: int, pos: int, params: SamplingParams) -> int:
-        """The token after `token` at position pos, by the decode step."""
-        if self.compiled and self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        eager = not self.compiled and not self.graphed
-        nxt = self._decode(self.model, torch.tensor([token], device=self.device),
-                           torch.tensor([pos], device=self.device), params,
-                           kv_len=pos + 1 if eager else None, block_mask=self.block_mask)
-        return int(nxt)
+    def _run(self, token: torch.Tensor, pos: int, steps: int, params: SamplingParams) -> Iterator[int]:
+        """Yield token (1,) (on the device, at position pos) and the `steps`
+        tokens decoded after it, as host ints. Each step is queued before the
+        token it follows is read, so the GPU never waits for the host between
+        steps (the caller may stop early: a step already queued wrote keys past
+        the tokens it keeps, which later steps write again)."""
+        eager = not self.compiled and not self.graphed  # (eager steps slice the cache on the host)
+        # The step's position lives on the device and is advanced there: making
+        # it from a host int each step would copy from pageable memory, which
+        # waits for the GPU and so starves it for the next step's launch time.
+        step_pos = torch.tensor([pos], device=self.device)
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        for i in range(steps + 1):
+            host = token.to("cpu", non_blocking=True)
+            if ready is not None:
+                ready.record()
+            if i < steps:  # queue the next step before looking at this token
+                if self.compiled and self.device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                nxt = self._decode(self.model, token, step_pos, params, kv_len=pos + i + 1 if eager else None,
+                                   block_mask=self.block_mask)
+                token = nxt.clone()  # CUDA graph outputs are overwritten by the next replay
+                step_pos = step_pos + 1
+            if ready is not None:
+                ready.synchronize()
+            yield int(host.item())
 
     def _padded(self, ids: list[int], start: int, max_seq_length: int, graphed):
         """(ids as a (1, T) tensor, positions, kv_len, whether a graph holds them):
@@ -401,13 +428,7 @@ class Generator:
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=start,
                                              weight_bytes=self.stats.weight_bytes)
         stop = set(stop_ids)
-        eager = not self.compiled and not self.graphed  # (eager steps slice the cache on the host)
         t0 = time.perf_counter()
-        pos_host = len(prompt_ids)
-        # The step's position lives on the device and is advanced there: making
-        # it from a host int each step would copy from pageable memory, which
-        # waits for the GPU and so starves it for the next step's launch time.
-        step_pos = torch.tensor([pos_host], device=self.device)
         token = self.prefill(prompt_ids[start:], start, params)
         self.cached.extend(prompt_ids[start:])
         if drafter is not None:
@@ -415,35 +436,17 @@ class Generator:
             yield from self._speculated(prompt_ids, int(token), max_new_tokens, params, stop, drafter,
                                         draft_tokens, t0, adapt_drafts)
             return
-        ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        for i in range(max_new_tokens):
-            host = token.to("cpu", non_blocking=True)
-            if ready is not None:
-                ready.record()
-            more = i + 1 < max_new_tokens
-            if more:  # queue the next step before looking at this token
-                if self.compiled and self.device.type == "cuda":
-                    torch.compiler.cudagraph_mark_step_begin()
-                nxt = self._decode(self.model, token, step_pos, params,
-                                   kv_len=pos_host + 1 if eager else None,
-                                   block_mask=self.block_mask)
-                nxt = nxt.clone()  # CUDA graph outputs are overwritten by the next replay
-                step_pos = step_pos + 1
-            if ready is not None:
-                ready.synchronize()
-            value = int(host.item())
+        for i, value in enumerate(self._run(token, len(prompt_ids), max_new_tokens - 1, params)):
             if i == 0:
                 stats.prefill_s = time.perf_counter() - t0
                 t_decode = time.perf_counter()
             stats.new_tokens = i + 1
             stats.decode_s = time.perf_counter() - t_decode
-            if more:
+            if i + 1 < max_new_tokens:  # (its step is queued: its keys are in the cache)
                 self.cached.append(value)
-                pos_host += 1
             yield value
-            if value in stop or not more:
+            if value in stop:
                 break
-            token = nxt
         self._sync()
         if stats.new_tokens > 1:
             stats.decode_s = time.perf_counter() - t_decode

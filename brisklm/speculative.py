@@ -134,9 +134,11 @@ class DraftPolicy:
     steps with k drafts (drafting and verifying; a k not tried yet is
     interpolated between the nearest tried ones). So drafts that keep being
     rejected drive k to 0, and the run decodes as plainly as without a
-    drafter, but for a probe with one draft now and then, at intervals that
-    double while probes fail (1/16 of the steps at first, 1/256 at most):
-    the cost of speculating on text where it cannot pay stays a few percent."""
+    drafter (in runs of plain steps queued ahead, as plain decoding's loop
+    does: on a GPU a step that waits for the host costs that wait too), but
+    for a probe with one draft now and then, at intervals that double while
+    probes fail (1/16 of the steps at first, 1/256 at most): the cost of
+    speculating on text where it cannot pay stays a few percent."""
 
     def __init__(self, max_k: int, decay: float = 0.95):
         self.max_k, self.decay = max_k, decay
@@ -147,6 +149,8 @@ class DraftPolicy:
         # known, the measured fraction once much is.
         self.judged = self.kept_count = 0.0
         self.until_probe, self.interval = 0, 16
+        self.probing = False  # whether the step chosen last is a probe
+        self.run = 1  # plain steps to take where choose() gave 0
 
     @property
     def kept(self) -> float:
@@ -167,6 +171,7 @@ class DraftPolicy:
 
     def choose(self, room: int) -> int:
         """Drafts to propose now (at most room, the tokens still wanted after this one)."""
+        self.run = 1
         top = min(self.max_k, room)
         if top == 0:
             return 0
@@ -174,18 +179,32 @@ class DraftPolicy:
             return top if top not in self.cost else 0
         best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
         if best == 0:
-            self.until_probe -= 1
             if self.until_probe <= 0:
+                self.probing = True
                 return 1
+            self.run = self.until_probe
         return best
 
-    def update(self, proposed: int, kept: int, seconds: float):
-        """After a step: drafts proposed (a drafter may find fewer than asked), kept, its seconds."""
+    def plain_steps(self) -> int:
+        """Where choose() gave 0: the plain steps to take before asking again
+        (until the next probe; one while the costs are first measured), run
+        as plain decoding runs them, each queued before the token it follows
+        is read."""
+        return self.run
+
+    def update(self, proposed: int, kept: int, seconds: float, steps: int = 1):
+        """After `steps` steps (more than one: plain ones) with `proposed`
+        drafts each (a drafter may find fewer than asked), the drafts kept,
+        and the seconds they took."""
+        seconds /= steps
         old = self.cost.get(proposed)
         self.cost[proposed] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        if proposed:
-            self.kept_count = self.decay * self.kept_count + kept
-            self.judged = self.decay * self.judged + kept + (kept < proposed)
-            if self.until_probe <= 0:  # a probe: wait longer before the next if nothing was kept
-                self.interval = 16 if kept else min(2 * self.interval, 256)
-                self.until_probe = self.interval
+        if not proposed:
+            self.until_probe -= steps
+            return
+        self.kept_count = self.decay * self.kept_count + kept
+        self.judged = self.decay * self.judged + kept + (kept < proposed)
+        if self.probing:  # wait longer before the next probe if nothing was kept
+            self.probing = False
+            self.interval = 16 if kept else min(2 * self.interval, 256)
+            self.until_probe = self.interval

@@ -225,8 +225,14 @@ def run_policy(policy, keep, cost, steps):
     decoding: 1 token a second)."""
     rng = random.Random(0)
     chosen, tokens, seconds = [], 0, 0.0
-    for _ in range(steps):
+    while len(chosen) < steps:
         k = policy.choose(room=100)
+        if k == 0:  # a run of plain steps, as Generator takes them
+            run = min(policy.plain_steps(), steps - len(chosen))
+            policy.update(0, 0, run * cost(0), steps=run)
+            chosen += [0] * run
+            tokens, seconds = tokens + run, seconds + run * cost(0)
+            continue
         kept = 0
         while kept < k and rng.random() < keep:
             kept += 1
