@@ -44,7 +44,7 @@ CASES = {
 }
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "w8_ptr": "*fp8e4nv", "s_ptr": "*bf16", "z_ptr": "*bf16",
             "out_ptr": "*fp32", "lo_ptr": "*i32", "step_ptr": "*fp32", "xsum_ptr": "*fp32", "sq_ptr": "*fp32",
-            "eps": "fp32"}
+            "eps": "fp32", "expert_ptr": "*i64"}
 
 
 def compile_sm90(kind: str):
@@ -52,6 +52,8 @@ def compile_sm90(kind: str):
     const = {"K_PER_SPLIT": 64 * block_k, "BLOCK_N": block_n, "PDL": True, **extra}  # a loop, not unrolled
     if "N_SQ" in fn.arg_names:
         const.setdefault("N_SQ", 0)  # no norm folded in
+    if "EXPERT" in fn.arg_names:
+        const.setdefault("EXPERT", False)  # one matrix, not one of stacked ones
     sig = {}
     for name in fn.arg_names:  # in the kernel's order
         if name in const:

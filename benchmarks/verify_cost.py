@@ -46,6 +46,9 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", default="5,9", help="padded rows of the compiled verify steps: K < rows each")
     ap.add_argument("--no_compile", action="store_true", help="the uncompiled verify step (graphed)")
+    ap.add_argument("--own_graph", action="store_true",
+                    help="the compiled verify step without inductor's CUDA graphs, captured and replayed by "
+                         "generate.replayed instead (no guards or graph-tree checks on the host per call)")
     ap.add_argument("--sweep", default=None, help="first run few_rows.py's sweep for these formats (bf16,int8,"
                     "int4-g128) and keep its best blocks")
     opts = ap.parse_args()
@@ -57,6 +60,10 @@ def main():
     gen = llm.generator
     if opts.no_compile:
         gen._rows = None
+    if opts.own_graph:
+        from brisklm.generate import OnePassReductions, replayed, rows_logits
+        options = {"triton.cudagraphs": False, "triton.enable_pdl": True, "inductor_choices_class": OnePassReductions}
+        gen._rows = replayed(torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options))
     prompt = torch.randint(0, llm.model.args.vocab_size, (opts.start,), generator=torch.Generator().manual_seed(0))
     ids = prompt.tolist()
     rates = []
@@ -77,7 +84,7 @@ def main():
             rows.append((padded, k, ms, ms / step_ms))
             print(f"K={k} ({padded} rows): {ms:.2f} ms, {ms / step_ms:.2f} decode steps", flush=True)
     mode = opts.quantize or "bf16"
-    how = "uncompiled, graphed" if opts.no_compile else "compiled"
+    how = "uncompiled, graphed" if opts.no_compile else "compiled, one replayed graph" if opts.own_graph else "compiled"
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {opts.preset} {mode}, "
           f"position {opts.start}; decode step {step_ms:.2f} ms (compiled, graphed); verify {how}")
     print("| rows | drafts K | verify over K+1 tokens, ms | / decode step |\n| --- | --- | --- | --- |")

@@ -12,6 +12,9 @@ only place a kernel route is chosen:
   (the model's norm becomes a pass-through), where the bf16 and int4 GEMVs
   apply it inside the kernel (no kernel between two GEMVs that reduces over
   all of x); the other routes apply it first;
+- an MoE layer becomes FusedMoE: one token's chosen experts are read in
+  place from the stacked weights, at their index on the device
+  (gemv.expert_gemv), where by_slot copies each one out first;
 - Attention becomes FusedAttention: one token's RoPE, cache write and
   attention in one kernel (kernels/attention.py) that reads the filled
   length on the device, so a decode step needs no host value and replays
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 
 from .kernels import attention as attention_kernel
 from .kernels import gemv, matmul
-from .model import Attention, Linear, RMSNorm, Transformer, WeightFormat
+from .model import Attention, Linear, MoEFeedForward, RMSNorm, Transformer, WeightFormat
 from .quantize import GroupedInt8Linear, Int4WeightOnlyLinear, ScaledWeightOnlyLinear
 
 
@@ -118,6 +121,47 @@ class FusedAttention(Attention):
         return self.wo(y)
 
 
+class FusedMoE(MoEFeedForward):
+    """An MoE layer whose one-token step (inside a compiled step or a CUDA
+    graph) multiplies by each chosen expert's matrices where they lie in the
+    stacked tensors, the index read on the device by the GEMV
+    (gemv.expert_gemv): a decode step reads the chosen experts' weights once,
+    as a dense model's step reads its own."""
+
+    def by_slot(self, x, weights, chosen):
+        if x.shape[0] != 1:
+            return super().by_slot(x, weights, chosen)
+        if self.stacked is None:
+            self.stack()
+        expert = self.experts[0]
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for j in range(self.top_k):
+            e = chosen[0, j:j + 1]  # (a tensor index: no host read)
+            gate, up = self.expert_matmul("w13", x[0], e).split(expert.intermediate_size)
+            y[0] += self.expert_matmul("w2", (expert.act(gate) * up).to(x.dtype), e) * weights[0, j]
+        return y
+
+    def expert_matmul(self, name: str, x, e):
+        """(N,) fp32: x (K,) times the `name` matrix of expert e ((1,), on the device)."""
+        linear = getattr(self.experts[0], name)
+        w = linear.inner
+        part = {p: self.stacked[f"{name}.inner.{p}"] for p in ("weight", "packed", "scale", "zero")
+                if f"{name}.inner.{p}" in self.stacked}
+        y = None
+        if isinstance(w, Int4WeightOnlyLinear) and w.padded == w.in_features:
+            y = gemv.expert_gemv(x, part["packed"], e, part["scale"], part["zero"])
+        elif isinstance(w, ScaledWeightOnlyLinear):
+            y = gemv.expert_gemv(x, part["weight"], e)
+            y = None if y is None else y.sum(0, keepdim=True) * part["scale"].index_select(0, e).float()
+        elif isinstance(w, Linear) and w.weight.dtype in (torch.bfloat16, torch.float16):
+            y = gemv.expert_gemv(x, part["weight"], e)
+        if y is not None:
+            return y.sum(0)
+        # no kernel reads this format in place: the expert's tensors copied out, as by_slot does
+        tensors = {f"inner.{p}": t.index_select(0, e)[0] for p, t in part.items()}
+        return torch.func.functional_call(linear, tensors, (x[None],))[0].float()
+
+
 def fuse_for_decode(model: Transformer) -> Transformer:
     """Swap in the Triton decode kernels where they run (see the module's
     docstring); elsewhere, or once done, return the model unchanged. Call it
@@ -144,6 +188,7 @@ def fuse_for_decode(model: Transformer) -> Transformer:
         else:  # an MoE layer: each expert's Linears (its norm stays in front: the router reads it too)
             for expert in ffn.experts:
                 expert.w13, expert.w2 = FusedLinear(expert.w13), FusedLinear(expert.w2)
+            ffn.__class__ = FusedMoE  # same state, the experts read in place
         if fused_attention:
             attn.__class__ = FusedAttention  # same state, the kernel's forward in front
     model.output, model.norm = fold(model.output, model.norm)

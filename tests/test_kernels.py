@@ -65,8 +65,8 @@ print("worst relative error", worst)
 
 MODEL_CHILD = r"""
 import torch
-from brisklm.fusion import FusedLinear, fuse_for_decode
-from brisklm.kernels import matmul
+from brisklm.fusion import FusedLinear, FusedMoE, fuse_for_decode
+from brisklm.kernels import gemv, matmul
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.quantize import dequantize, quantize_state_dict, quantized_entries
 args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -127,6 +127,28 @@ for mode, group in (("int8", None), ("int4", 32)):
         weights, chosen = ffn.route(x)
         assert torch.allclose(ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen), atol=1e-5)
     print("moe", mode, "ok")
+# bf16: one token's chosen experts read in place from the stacked weights (FusedMoE, gemv.expert_gemv),
+# against the experts' own modules (by_expert)
+in_place = []
+expert_gemv = gemv.expert_gemv
+gemv.expert_gemv = lambda *a: in_place.append(1) or expert_gemv(*a)
+for mode in ("int8", "int4", "bf16"):
+    state = random_state_dict(moe, torch.bfloat16, std=0.1)
+    qargs, qstate = (moe, state) if mode == "bf16" else quantize_state_dict(moe, state, mode, 32)
+    a = fuse_for_decode(build_model(qargs, qstate))
+    a.setup_caches(1, 16)
+    a.prepare()
+    ffn = a.layers[1].feed_forward
+    assert isinstance(ffn, FusedMoE)
+    in_place.clear()
+    with torch.no_grad():
+        x = torch.randn(1, 64).bfloat16()
+        weights, chosen = ffn.route(x)
+        got, want = ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen)
+    assert len(in_place) == 4, (mode, in_place)  # two experts, two matrices each
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 2e-2, (mode, err)
+    print("in place", mode, "ok")
 """
 
 
@@ -193,7 +215,8 @@ def test_few_rows_matmul_matches_fp64_for_every_format(swap):
 @pytest.mark.slow
 def test_quantized_model_through_the_kernels_matches_its_dequantized_weights():
     out = run_interpreted(MODEL_CHILD)
-    assert out.split() == ["int8", "ok", "fp8", "ok", "int4", "ok"] * 2 + ["moe", "int8", "ok", "moe", "int4", "ok"]
+    assert out.split() == (["int8", "ok", "fp8", "ok", "int4", "ok"] * 2 + ["moe", "int8", "ok", "moe", "int4", "ok"]
+                           + ["in", "place", "int8", "ok", "in", "place", "int4", "ok", "in", "place", "bf16", "ok"])
 
 
 ATTENTION_CHILD = r"""

@@ -163,10 +163,12 @@ if triton is not None:
         return scale
 
     @triton.jit
-    def _scaled_gemv_kernel(x_ptr, w_ptr, out_ptr, sq_ptr, n_sq, eps, N, K, K_PER_SPLIT: tl.constexpr,
+    def _scaled_gemv_kernel(x_ptr, w_ptr, out_ptr, sq_ptr, n_sq, eps, N, K, expert_ptr, K_PER_SPLIT: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            N_SQ: tl.constexpr, PDL: tl.constexpr):
+                            N_SQ: tl.constexpr, EXPERT: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
+        if EXPERT:  # w: the (N, K) matrix at index *expert_ptr of stacked ones
+            w_ptr += tl.load(expert_ptr).to(tl.int64) * N * K
         norm_scale = _norm_scale(sq_ptr, n_sq, eps, K, N_SQ)  # the RMSNorm before, if any
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -383,10 +385,15 @@ if triton is not None:
         return _as_words(tl.reshape(hi, (BLOCKS, XB // 4, 4))), _as_words(tl.reshape(lo, (BLOCKS, XB // 4, 4))), step
 
     @triton.jit
-    def _int8_dp4a_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
+    def _int8_dp4a_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, expert_ptr, K_PER_SPLIT: tl.constexpr, XB: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr,
-                          INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                          EXPERT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
+        if EXPERT:  # the codes (and scales) at index *expert_ptr of stacked ones
+            e = tl.load(expert_ptr).to(tl.int64)
+            w_ptr += e * N * (K // 4)
+            if GROUPED:
+                s_ptr += e * N * (K // XB)
         # int8 codes, a scale per row (applied by the caller); x in blocks of XB
         # inputs, each with its own step: y = sum_blocks step / X_LO (sum over the block's words).
         # GROUPED (GGUF Q8_0): a scale per group of XB inputs too (s_ptr, (N, K / XB)),
@@ -419,10 +426,16 @@ if triton is not None:
 
     @triton.jit
     def _int4_dp4a_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, lo_ptr, step_ptr, xsum_ptr, sq_ptr, eps, N, K,
-                          K_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                          expert_ptr, K_PER_SPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, W_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr,
-                          PACKED: tl.constexpr, N_SQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                          PACKED: tl.constexpr, N_SQ: tl.constexpr, EXPERT: tl.constexpr, INTERPRET: tl.constexpr,
+                          PDL: tl.constexpr):
         _await_inputs(PDL)
+        if EXPERT:  # codes, scales and zeros at index *expert_ptr of stacked ones
+            e = tl.load(expert_ptr).to(tl.int64)
+            w_ptr += e * N * (K // 8)
+            s_ptr += e * N * (K // GROUP)
+            z_ptr += e * N * (K // GROUP)
         # int4 codes, w = (q - 8) s + z per group; x in blocks of one group:
         #   y = sum_groups s step / X_LO (sum over the group's words) + (z - 8 s) sum x.
         # Each program makes x's planes from its slice of x; or, PACKED, they come
@@ -562,24 +575,26 @@ def grouped_config(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, 
     return config(4 if bits == 4 else "8g", codes.shape[0], k, k // scale.shape[1])
 
 
-def _launch_scaled(x, w, squares, eps, cfg, launch):
-    """squares, eps: an RMSNorm folded in (norm_parts; bf16 weights only), or None."""
-    n, k = w.shape
+def _launch_scaled(x, w, squares, eps, cfg, launch, expert=None):
+    """squares, eps: an RMSNorm folded in (norm_parts; bf16 weights only), or None.
+    expert (1,): w is stacked matrices (E, N, K), of which this one is read
+    (dense weights only)."""
+    n, k = w.shape[-2:]
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=x.device, dtype=torch.float32)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     grid = (triton.cdiv(n, block_n), split_k)
     even = k % block_k == 0 and k_per_split * split_k == k
     pdl = early_launch(x.device)
-    if w.dtype == torch.int8 and even:
+    if w.dtype == torch.int8 and even and expert is None:
         launch(_int8_gemv_kernel)[grid](x, w.view(torch.int32), out, n, k, ONE_BITS[8], k_per_split, BLOCK_N=block_n,
                                         BLOCK_K=block_k, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     else:
         n_sq = 0 if squares is None else squares.numel()
         launch(_scaled_gemv_kernel)[grid](x, w, out, x if squares is None else squares, n_sq, eps, n, k,
-                                          k_per_split, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=even,
-                                          N_SQ=triton.next_power_of_2(n_sq) if n_sq else 0, PDL=pdl,
-                                          num_warps=warps, launch_pdl=pdl)
+                                          x if expert is None else expert, k_per_split, BLOCK_N=block_n,
+                                          BLOCK_K=block_k, EVEN_K=even, N_SQ=triton.next_power_of_2(n_sq) if n_sq else 0,
+                                          EXPERT=expert is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -607,16 +622,19 @@ def dp4a_block(k: int) -> int | None:
     return next((b for b in (256, 128, 64, 32) if k % b == 0), None)
 
 
-def _launch_int8_dp4a(x, w, cfg, launch, scale=None):
-    """A scale per row (applied by the caller), or with `scale` (N, K / G) one per group of G inputs."""
-    n, k = w.shape
+def _launch_int8_dp4a(x, w, cfg, launch, scale=None, expert=None):
+    """A scale per row (applied by the caller), or with `scale` (N, K / G) one
+    per group of G inputs. expert (1,): w (and scale) are stacked, (E, N, K),
+    and this one of them is read."""
+    n, k = w.shape[-2:]
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=w.device, dtype=torch.float32)
     pdl = early_launch(w.device)
     launch(_int8_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
-        x, w.view(torch.int32), w if scale is None else scale, out, n, k, k // split_k,
-        XB=dp4a_block(k) if scale is None else k // scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUPED=scale is not None, INTERPRET=interpreted(), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        x, w.view(torch.int32), w if scale is None else scale, out, n, k, w if expert is None else expert,
+        k // split_k, XB=dp4a_block(k) if scale is None else k // scale.shape[-1], BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUPED=scale is not None, EXPERT=expert is not None, INTERPRET=interpreted(), PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     return out
 
 
@@ -629,16 +647,17 @@ def _row_align(n: int) -> int:
     return min(16, n & -n)
 
 
-def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch, packed=None, eps=0.0):
+def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch, packed=None, eps=0.0, expert=None):
     """x (K,); or, with packed = (lo, step, x_sum, squares) and the norm's eps,
-    x is the hi plane from pack_x."""
+    x is the hi plane from pack_x. expert (1,): codes, scale and zero are
+    stacked, (E, N, ...), and this one of them is read."""
     # The kernel is told how aligned its rows are (W_ALIGN int32 words of codes,
     # S_ALIGN scales): knowing only that K is a multiple of 16, Triton saw rows
     # of codes 8-byte aligned (64-bit loads) and rows of scales unaligned (one
     # 2-byte load a scale). With 16-byte loads and the tile loaded along K,
     # 2.20 instructions a code against 2.59 (sm_90 SASS, benchmarks/gemv_sass.py),
     # and int4 g128 decode 549 against 489 tokens/s on an H200.
-    n, k = codes.shape[0], codes.shape[1] * 2
+    n, k = codes.shape[-2], codes.shape[-1] * 2
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=codes.device, dtype=torch.float32)
     pdl = early_launch(codes.device)
@@ -648,11 +667,21 @@ def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch, packed=None, eps=0.0):
     else:
         lo = step = x_sum = squares = x  # unread
     launch(_int4_dp4a_kernel)[(triton.cdiv(n, block_n), split_k)](
-        x, codes.view(torch.int32), scale, zero, out, lo, step, x_sum, squares, eps, n, k, k // split_k,
-        GROUP=k // scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, W_ALIGN=_row_align(k // 8),
-        S_ALIGN=_row_align(scale.shape[1]), PACKED=packed is not None, N_SQ=triton.next_power_of_2(scale.shape[1]),
-        INTERPRET=interpreted(), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        x, codes.view(torch.int32), scale, zero, out, lo, step, x_sum, squares, eps, n, k,
+        codes if expert is None else expert, k // split_k, GROUP=k // scale.shape[-1], BLOCK_N=block_n,
+        BLOCK_K=block_k, W_ALIGN=_row_align(k // 8), S_ALIGN=_row_align(scale.shape[-1]), PACKED=packed is not None,
+        N_SQ=triton.next_power_of_2(scale.shape[-1]), EXPERT=expert is not None, INTERPRET=interpreted(), PDL=pdl,
+        num_warps=warps, launch_pdl=pdl)
     return out
+
+
+def _launch_expert(x, w, scale, zero, expert, cfg, launch):
+    """One of stacked matrices (expert_gemv): int4 or int8 codes through dp4a, dense weights as they are."""
+    if w.dtype == torch.uint8:
+        return _launch_int4_dp4a(x, w, scale, zero, cfg, launch, expert=expert)
+    if w.dtype == torch.int8:
+        return _launch_int8_dp4a(x, w, cfg, launch, expert=expert)
+    return _launch_scaled(x, w, None, 0.0, cfg, launch, expert=expert)
 
 
 def _launch_int4_packed(hi, lo, step, x_sum, squares, eps, codes, scale, zero, cfg, launch):
@@ -772,6 +801,8 @@ if triton is not None:
                                "(Tensor hi, Tensor lo, Tensor step, Tensor x_sum, Tensor squares, float eps, "
                                "Tensor codes, Tensor scale, Tensor zero, int[] cfg) -> Tensor")
     _fp8_half_op = _gemv_op("fp8_half_gemv", _launch_fp8_half, "(Tensor x, Tensor w, int[] cfg) -> Tensor")
+    _expert_gemv_op = _gemv_op("expert_gemv", _launch_expert,
+                               "(Tensor x, Tensor w, Tensor? scale, Tensor? zero, Tensor expert, int[] cfg) -> Tensor")
 
 
 def _run(op, launcher, *args):
@@ -833,6 +864,31 @@ def grouped_gemv(x, codes, scale, zero, norm=None) -> torch.Tensor:
         return _run(_int8_group_dp4a_op, _launch_int8_group_dp4a, x, codes, scale,
                     list(config("8gd", *codes.shape, group)))
     return _run(_grouped_gemv_op, _launch_grouped, x, codes, scale, zero, list(grouped_config(codes, scale)))
+
+
+def expert_gemv(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor, scale=None, zero=None):
+    """(SPLIT_K, N) fp32 partial sums of x (K,) times the matrix at index
+    `expert` (a (1,) integer tensor, on the device) of the stacked `w` (E, N,
+    ...): the weights of an MoE layer's chosen expert, read where they lie,
+    with no copy and no host read of the index. int4 codes (E, N, K/2) with
+    scale and zero (E, N, K/G), and int8 codes (E, N, K) whose per-row scale
+    the caller applies, through the dp4a kernels (a half-precision x); dense
+    weights through the bf16 GEMV's kernel. None where no kernel serves."""
+    x = x.contiguous()
+    if w.dtype == torch.uint8:
+        group = 2 * w.shape[-1] // scale.shape[-1]
+        if not uses_dp4a(x, w, group):
+            return None
+        cfg = config("4d", w.shape[1], 2 * w.shape[2], group)
+    elif w.dtype == torch.int8:
+        if scale is not None or not uses_dp4a(x, w[0]):
+            return None
+        cfg = config("8d", *w.shape[1:], dp4a_block(w.shape[2]))
+    elif w.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cfg = config(w.element_size() * 8, *w.shape[1:])
+    else:
+        return None
+    return _run(_expert_gemv_op, _launch_expert, x, w, scale, zero, expert, list(cfg))
 
 
 def int4_gemv(x, packed, scale, zero, norm=None):
