@@ -481,7 +481,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
          quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False,
          allow_long_context: bool = False, speculate: str | None = None, draft_tokens: int = 4,
          draft_layers: int | None = None, draft_checkpoint_path: str | None = None,
-         draft_quantize: str | None = None, fused_kernels: bool = True, tensor_parallel: bool | None = None) -> LLM:
+         draft_quantize: str | None = None, draft_preset: str | None = None, fused_kernels: bool = True, tensor_parallel: bool | None = None) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -507,10 +507,11 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     prompt and output) or "self" (the model's first draft_layers layers draft
     for it) or "draft" (a second model that shares the tokenizer:
     draft_checkpoint_path, by default this one, loaded with draft_quantize, e.g.
-    the model itself in int4); each target forward then checks up to draft_tokens drafts, and
-    the output is what plain decoding gives (greedy: token for token). A step
-    with no drafts is plain decoding's step (compiled where that is); the
-    verify and draft steps run uncompiled, on CUDA replayed from CUDA graphs
+    the model itself in int4; or draft_preset, random weights in a named
+    shape, for benchmarks); each target forward then checks up to draft_tokens
+    drafts, and the output is what plain decoding gives (greedy: token for
+    token). Where decoding is compiled, so are the verify and one-token draft
+    steps; uncompiled on CUDA they are replayed from CUDA graphs
     (Generator.logits).
 
     fused_kernels=False leaves out our Triton kernels on NVIDIA GPUs
@@ -616,9 +617,11 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
               allow_long_context=allow_long_context, quiet=quiet, speculate=speculate,
               draft_tokens=draft_tokens, draft_layers=draft_layers)
     if speculate == "draft":
-        llm.draft = load(draft_checkpoint_path or path, device=device, dtype=dtype, compile=False,
+        if draft_checkpoint_path and draft_preset:
+            raise BriskError("give either draft_checkpoint_path or draft_preset, not both")
+        llm.draft = load(None if draft_preset else draft_checkpoint_path or path, device=device, dtype=dtype, compile=False,
                          max_seq_length=llm.generator.max_seq_length, allow_long_context=True,
-                         preset=None if draft_checkpoint_path or path else preset, quiet=quiet,
+                         preset=draft_preset or (None if draft_checkpoint_path or path else preset), quiet=quiet,
                          quantize=draft_quantize or quantize, groupsize=groupsize, kv_int8=kv_int8,
                          fused_kernels=fused_kernels)
         theirs, ours = llm.draft.model.args.vocab_size, model.args.vocab_size
@@ -627,6 +630,6 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
                              f"target's ({ours}); a draft must share the target's tokenizer")
         from .speculative import ModelDrafter
         llm.drafter = ModelDrafter(llm.draft.model)
-    elif draft_checkpoint_path or draft_quantize:
-        raise BriskError("draft_checkpoint_path and draft_quantize need speculate='draft'")
+    elif draft_checkpoint_path or draft_quantize or draft_preset:
+        raise BriskError("draft_checkpoint_path, draft_quantize and draft_preset need speculate='draft'")
     return llm

@@ -126,17 +126,20 @@ def speculative_prompt(llm) -> tuple[list[int], str]:
     return llm.tokenizer.encode(request + "\n\nThe text again:\n\n"), "repeat a 1200-character text"
 
 
-def speculative_figures(llm, kind: str, draft_tokens: int, draft_layers, new_tokens: int, samples: int) -> dict:
-    """Greedy tokens/s with and without speculative decoding (`kind`), in this
-    process, the acceptance (tokens per target step), and whether both
-    outputs are the same tokens (they must be)."""
+def speculative_figures(llm, kind: str, draft_tokens: int, draft_layers, new_tokens: int, samples: int,
+                        draft_model=None) -> dict:
+    """Greedy tokens/s with and without speculative decoding (`kind`; "draft":
+    the drafter of the draft model load() made), in this process, the
+    acceptance (tokens per target step), and whether both outputs are the
+    same tokens (they must be)."""
     from .api import drafter, log
     from .sampling import SamplingParams
     ids, what = speculative_prompt(llm)
     if not llm.fits(ids, new_tokens):
         log(f"  skipped: the {len(ids)}-token prompt and {new_tokens} new tokens exceed the KV cache")
         return None
-    gen, spec = llm.generator, drafter(llm.model, kind, draft_tokens, draft_layers)
+    gen = llm.generator
+    spec = draft_model if kind == "draft" else drafter(llm.model, kind, draft_tokens, draft_layers)
     out = {"kind": kind, "draft_tokens": draft_tokens, "prompt": what, "prompt_tokens": len(ids)}
     for name, d in (("plain", None), ("speculative", spec)):
         rates, steps, tokens = [], [], None
@@ -280,7 +283,12 @@ def run(opts) -> dict:
                compile=opts.compile, compile_prefill=opts.compile_prefill,
                compile_options=opts.compile_options, max_seq_length=length, quiet=False,
                quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8,
-               allow_long_context=opts.allow_long_context, fused_kernels=getattr(opts, "fused_kernels", True))
+               allow_long_context=opts.allow_long_context, fused_kernels=getattr(opts, "fused_kernels", True),
+               speculate="draft" if getattr(opts, "speculate", None) == "draft" else None,
+               draft_tokens=getattr(opts, "draft_tokens", 4), draft_quantize=getattr(opts, "draft_quantize", None),
+               draft_checkpoint_path=getattr(opts, "draft_checkpoint_path", None),
+               draft_preset=getattr(opts, "draft_preset", None))
+    draft_model, llm.drafter = llm.drafter, None  # (the decode figures are plain decoding's)
     result["tensor_parallel"] = llm.model.tensor_parallel and torch.distributed.get_world_size()
     result["fused_kernels"] = bool(llm.model.decode_kernels)
     result["decode_attention_kernel"] = llm.model.decode_kernels.get("attention", False)
@@ -312,7 +320,7 @@ def run(opts) -> dict:
     if getattr(opts, "speculate", None):
         log(f"Speculative decoding ({opts.speculate}, {opts.draft_tokens} drafts a step) against plain, greedy...")
         result["speculative"] = speculative_figures(llm, opts.speculate, opts.draft_tokens, opts.draft_layers,
-                                                    opts.new_tokens, max(1, opts.samples // 2))
+                                                    opts.new_tokens, max(1, opts.samples // 2), draft_model)
     if opts.startup:
         log("Start-up: cold and warm compile in fresh processes...")
         src = ["--preset", opts.preset] if opts.preset else (

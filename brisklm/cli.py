@@ -55,11 +55,14 @@ def _speculate_flags(p: argparse.ArgumentParser):
     p.add_argument("--speculate", choices=["ngram", "self", "draft"], default=None,
                    help="speculative decoding: ngram (prompt lookup), self (the model's first layers draft) or "
                         "draft (--draft_checkpoint_path, or this model with --draft_quantize); the same output, "
-                        "fewer target steps where drafts are accepted (the verify steps uncompiled for now)")
+                        "fewer target steps where drafts are accepted")
     p.add_argument("--draft_checkpoint_path", default=None,
                    help="--speculate draft: the draft model (sharing the tokenizer; default: this one)")
     p.add_argument("--draft_quantize", choices=LOAD_MODES, default=None,
                    help="--speculate draft: the draft's quantization, e.g. int4 (default: --quantize's)")
+    p.add_argument("--draft_preset", default=None,
+                   help="--speculate draft: a named shape with random weights as the draft (benchmarks; "
+                        "with --preset and no draft flag the draft is the target's own shape and weights)")
     p.add_argument("--draft_tokens", type=_positive_int, default=4, help="drafts checked per target step")
     p.add_argument("--draft_layers", type=_positive_int, default=None,
                    help="--speculate self: layers of the draft (default: a quarter of the model's)")
@@ -123,10 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cached lengths for long-context decode figures, comma-separated "
                         "(default 8192,32768 on GPUs, 1024 on CPUs; capped at the model's context)")
     b.add_argument("--startup", action="store_true", help="also time cold and warm compile")
-    b.add_argument("--speculate", choices=["ngram", "self"], default=None,
-                   help="also greedy tokens/s with and without speculative decoding, and the acceptance")
-    b.add_argument("--draft_tokens", type=_positive_int, default=4)
-    b.add_argument("--draft_layers", type=_positive_int, default=None)
+    _speculate_flags(b)  # (bench: also greedy tokens/s with and without it, and the acceptance)
     b.add_argument("--peer", choices=["hf"], default=None)
     b.add_argument("--json", default=None)
     b.add_argument("--markdown", default=None)
@@ -204,7 +204,8 @@ def _load(args, quiet=False):
                 allow_long_context=args.allow_long_context, speculate=getattr(args, "speculate", None),
                 draft_tokens=getattr(args, "draft_tokens", 4), draft_layers=getattr(args, "draft_layers", None),
                 draft_checkpoint_path=getattr(args, "draft_checkpoint_path", None),
-                draft_quantize=getattr(args, "draft_quantize", None), fused_kernels=args.fused_kernels)
+                draft_quantize=getattr(args, "draft_quantize", None),
+                draft_preset=getattr(args, "draft_preset", None), fused_kernels=args.fused_kernels)
 
 
 def _sampling(args) -> dict:

@@ -62,3 +62,19 @@ def test_the_peer_gets_the_same_weights():
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         assert (ours(ids, torch.arange(5)) - ref(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_bench_speculates_with_a_draft_preset(tmp_path):
+    """--speculate draft with --draft_preset: the draft is that shape with random
+    weights (here the target's own shape, so its drafts are the target's
+    tokens); the decode figures stay plain decoding's."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "brisklm", "bench", "--preset", "tiny-moe", "--device", "cpu", "--prefill", "",
+         "--context", "", "--samples", "2", "--new_tokens", "16", "--speculate", "draft",
+         "--draft_preset", "tiny-moe", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    sp = json.loads(out.read_text())["speculative"]
+    assert sp["kind"] == "draft" and sp["same_tokens"] and sp["speculative"]["tokens_per_step"] > 1
