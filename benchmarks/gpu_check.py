@@ -7,8 +7,15 @@
    give exactly the greedy tokens of eager decoding, on a tiny fp32 model,
    with prompts that cross the kernel's block boundaries; and eager decoding
    through the kernel gives those of eager decoding through SDPA;
-2. `brisk generate --preset llama-3.1-8b --compile` end to end through the CLI;
-3. with --gguf: the bundled SmolLM2 on CUDA, compiled, answers "Paris".
+2. speculative decoding, compiled (the verify step over padded rows with flex
+   attention, the one-token draft steps; plain steps between them queued
+   ahead), gives the plain greedy tokens for prompt lookup and self-drafting,
+   on the same model;
+3. an MoE layer's one-token step with its chosen experts read in place
+   (fusion.FusedMoE, gemv.expert_gemv), eager and compiled, against the
+   experts' own modules, in bf16 with int8, int4 and bf16 experts;
+4. `brisk generate --preset llama-3.1-8b --compile` end to end through the CLI;
+5. with --gguf: the bundled SmolLM2 on CUDA, compiled, answers "Paris".
 
 Speed figures come from `brisk bench` (brisklm/bench.py), run beside this.
 """
@@ -45,6 +52,55 @@ def check_compiled_equals_eager():
     return rows
 
 
+DEVICE = "cuda"  # (the checks below also run on a CPU under TRITON_INTERPRET=1, slowly)
+
+
+def check_speculative_compiled():
+    from brisklm.speculative import ModelDrafter, NgramDrafter
+    args = ModelArgs(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    state = random_state_dict(args, torch.float32, device=DEVICE, std=0.2)
+    plain = Generator(fuse_for_decode(build_model(args, state)), 512)
+    spec = Generator(fuse_for_decode(build_model(args, state)), 512, compile=True)
+    rows = []
+    for kind, drafter in (("ngram", NgramDrafter()), ("self", ModelDrafter(spec.model, depth=2))):
+        for prompt_len in (7, 130):  # (the second crosses a block of the verify step's mask)
+            prompt = [5, 6, 7, 8] * (prompt_len // 4) + [5] * (prompt_len % 4)
+            want = list(plain.tokens(prompt, 60, SamplingParams()))
+            got = list(spec.tokens(prompt, 60, SamplingParams(), drafter=drafter, draft_tokens=4))
+            rows.append((kind, prompt_len, got == want, spec.stats.tokens_per_step))
+            print(f"speculative {kind}, prompt {prompt_len}: equal {got == want}, "
+                  f"{spec.stats.tokens_per_step:.2f} tokens a step", flush=True)
+    return rows
+
+
+def check_experts_in_place():
+    from brisklm.fusion import FusedMoE
+    from brisklm.quantize import quantize_state_dict
+    args = ModelArgs(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                     num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    rows = []
+    for mode in ("int8", "int4", "bf16"):
+        state = random_state_dict(args, torch.bfloat16, device=DEVICE, std=0.05)
+        if mode != "bf16":
+            args_q, state = quantize_state_dict(args, state, mode, 128)
+        model = fuse_for_decode(build_model(args if mode == "bf16" else args_q, state))
+        model.setup_caches(1, 16)
+        model.prepare()
+        ffn = model.layers[0].feed_forward
+        assert isinstance(ffn, FusedMoE)
+        x = torch.randn(1, 512, device=DEVICE, dtype=torch.bfloat16)
+        weights, chosen = ffn.route(x)
+        with torch.no_grad():
+            want = ffn.by_expert(x, weights, chosen)
+            eager = ffn.by_slot(x, weights, chosen)
+            compiled = torch.compile(ffn.by_slot, fullgraph=True)(x, weights, chosen)
+        errs = [((y - want).norm() / want.norm()).item() for y in (eager, compiled)]
+        rows.append((mode, max(errs)))
+        print(f"experts in place, {mode}: relative error eager {errs[0]:.1e}, compiled {errs[1]:.1e}", flush=True)
+    return rows
+
+
 def run_cli(args, timeout=900):
     cmd = [sys.executable, "-m", "brisklm", "generate"] + args
     print("$ brisk generate " + " ".join(args), flush=True)
@@ -66,6 +122,12 @@ def main():
     for n, compiled_ok, kernel_ok in check_compiled_equals_eager():
         table += [(f"compiled == eager greedy tokens, prompt {n}", compiled_ok),
                   (f"fused kernels == PyTorch ops (SDPA, cuBLAS) greedy tokens (eager), prompt {n}", kernel_ok)]
+    for kind, n, equal, per_step in check_speculative_compiled():
+        table.append((f"speculative {kind}, compiled, == plain greedy tokens, prompt {n} "
+                      f"({per_step:.2f} tokens a step)", equal))
+    for mode, err in check_experts_in_place():
+        table.append((f"MoE experts read in place ({mode}) vs their modules, relative error {err:.1e} < 2e-2",
+                      err < 2e-2))
     rate, comp, _ = run_cli(["--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
                              "--max_new_tokens", "200", "--num_samples", "3"])
     table.append(("brisk generate --preset llama-3.1-8b --compile: tokens/s, compile s", f"{rate:.1f}, {comp:.1f}"))
