@@ -294,7 +294,7 @@ def run(opts) -> dict:
     result["decode_attention_kernel"] = llm.model.decode_kernels.get("attention", False)
     if result["fused_kernels"] and not result["decode_attention_kernel"]:
         log("  decode attention takes the PyTorch path: the Triton kernel does not serve this model"
-            + (" (q/k norms)" if llm.model.args.qk_norm else f" (head_dim {llm.model.args.head_dim})"))
+            + f" (head_dim {llm.model.args.head_dim})")
     result["max_seq_length"] = llm.generator.max_seq_length
     limit = llm.generator.max_seq_length - opts.new_tokens - 8
     skipped = [n for n in prefill + context if n > limit]

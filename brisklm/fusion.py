@@ -107,7 +107,9 @@ class FusedLinear(WeightFormat):
 class FusedAttention(Attention):
     """Attention whose one-token step (batch 1) is one Triton kernel: RoPE on
     its query and key, its key and value stored at input_pos, attention over
-    positions 0..input_pos (the last `window` of them)."""
+    positions 0..input_pos (the last `window` of them). Per-head q/k norms
+    (Qwen3, Gemma 3) are applied to the projections first, in torch ops that a
+    compiled step fuses into one small kernel."""
 
     def forward(self, x, cos, sin, mask, input_pos):
         if x.shape[:2] != (1, 1):
@@ -116,8 +118,13 @@ class FusedAttention(Attention):
         scales = (cache.k_scale, cache.v_scale) if cache.k.dtype == torch.int8 else (None, None)
         if not self.rope:  # (a layer without RoPE, SmolLM3's: the identity rotation)
             cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
-        y = attention_kernel.decode_attention(self.wqkv(x).reshape(-1), cos.reshape(-1), sin.reshape(-1),
-                                              cache.k, cache.v, input_pos, *scales, window=self.window)
+        qkv = self.wqkv(x).reshape(-1)
+        if hasattr(self, "q_norm"):
+            d = self.head_dim
+            q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d])
+            qkv = torch.cat([self.q_norm(q.view(-1, d)).reshape(-1), self.k_norm(k.view(-1, d)).reshape(-1), v])
+        y = attention_kernel.decode_attention(qkv, cos.reshape(-1), sin.reshape(-1), cache.k, cache.v, input_pos,
+                                              *scales, window=self.window, scale=self.scale)
         return self.wo(y)
 
 
@@ -170,10 +177,7 @@ def fuse_for_decode(model: Transformer) -> Transformer:
     if model.decode_kernels or not gemv.available(device):
         return model
     a = model.args
-    # (the kernel applies RoPE to the raw projections and scales by head_dim**-0.5:
-    # q/k norms (Qwen3, Gemma 3) and another scale take the plain path)
-    fused_attention = (attention_kernel.supported(device, 1, 1, a.head_dim) and not a.qk_norm
-                       and a.query_pre_attn_scalar in (None, a.head_dim))
+    fused_attention = attention_kernel.supported(device, 1, 1, a.head_dim)
 
     def fold(linear, norm):  # (a norm applied as (1 + w), Gemma's, stays in front)
         return (FusedLinear(linear, norm), Folded()) if not norm.offset else (FusedLinear(linear), norm)

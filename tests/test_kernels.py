@@ -277,12 +277,14 @@ MODEL_ATTENTION_CHILD = r"""
 import torch
 from brisklm.fusion import FusedAttention, fuse_for_decode
 from brisklm.model import ModelArgs, build_model, random_state_dict
-# SmolLM3: a layer without RoPE takes the identity rotation. Gemma 3's shape
-# without its q/k norms: a sliding layer (own RoPE base) and a global one, norms
-# as (1 + w) that stay in front of the Linear, GeGLU, scaled embeddings.
+# SmolLM3: a layer without RoPE takes the identity rotation. Gemma 3's shape:
+# a sliding layer (own RoPE base) and a global one, norms as (1 + w) that stay
+# in front of the Linear, GeGLU, scaled embeddings, q/k norms before the
+# kernel and its own query scale. Qwen3: q/k norms.
 GEMMA = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=1e4,
-             rope_theta=1e6, hidden_act="gelu_pytorch_tanh", embed_scale=11.3, norm_offset=1.0, sandwich_norms=True)
-for no_rope, extra in ((None, {}), ([1, 0], {}), (None, GEMMA)):
+             rope_theta=1e6, hidden_act="gelu_pytorch_tanh", embed_scale=11.3, norm_offset=1.0, sandwich_norms=True,
+             qk_norm=True, query_pre_attn_scalar=24)
+for no_rope, extra in ((None, {}), ([1, 0], {}), (None, GEMMA), (None, dict(qk_norm=True))):
     args = ModelArgs(vocab_size=61, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, no_rope_layers=no_rope, **extra)  # head_dim 32
     state = random_state_dict(args, torch.float32, std=0.1)
@@ -350,9 +352,9 @@ for int8 in (False, True):
     pos = torch.tensor([7])
     if int8:
         cases.append((attention._decode_attention_int8_op,
-                      (qkv, cos, sin, cache.k, cache.v, cache.k_scale, cache.v_scale, pos, 0)))
+                      (qkv, cos, sin, cache.k, cache.v, cache.k_scale, cache.v_scale, pos, 0, 0.0)))
     else:
-        cases.append((attention._decode_attention_op, (qkv, cos, sin, cache.k, cache.v, pos, 0)))
+        cases.append((attention._decode_attention_op, (qkv, cos, sin, cache.k, cache.v, pos, 0, 0.125)))
 for op, args in cases:
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 # (opcheck's schema test multiplies the inputs, which CPUs cannot do in fp8)
@@ -652,9 +654,10 @@ def test_dp4a_kernels_represent_x_within_their_bound():
     assert "represented ok" in run_interpreted(REPRESENTATION_CHILD)
 
 
-def test_fusion_leaves_q_k_normed_attention_on_the_plain_path(monkeypatch):
-    """The decode attention kernel applies RoPE to the raw projections, so a
-    model with q/k norms (Qwen3) keeps PyTorch attention; its Linears still fuse."""
+def test_fusion_fuses_q_k_normed_attention(monkeypatch):
+    """A model with q/k norms (Qwen3, Gemma 3) takes the decode attention kernel
+    too: the norms are applied to its projections first (the kernel's own
+    numbers against the plain model: MODEL_ATTENTION_CHILD)."""
     import torch
     from brisklm import fusion
     from brisklm.model import ModelArgs, build_model, random_state_dict
@@ -664,6 +667,6 @@ def test_fusion_leaves_q_k_normed_attention_on_the_plain_path(monkeypatch):
         args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, qk_norm=qk_norm)
         model = fusion.fuse_for_decode(build_model(args, random_state_dict(args, torch.float32)))
-        assert isinstance(model.layers[0].attention, fusion.FusedAttention) != qk_norm
-        assert model.decode_kernels["attention"] != qk_norm
+        assert isinstance(model.layers[0].attention, fusion.FusedAttention) and model.decode_kernels["attention"]
+        assert hasattr(model.layers[0].attention, "q_norm") == qk_norm
         assert isinstance(model.layers[1].feed_forward.w13, fusion.FusedLinear)

@@ -182,7 +182,7 @@ def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> b
             and head_dim & (head_dim - 1) == 0)
 
 
-def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
+def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, launch):
     n_kv, max_len, d = k.shape[1:]
     n_heads = qkv.numel() // d - 2 * n_kv
     group = n_heads // n_kv
@@ -198,7 +198,7 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
     launch(_split_kernel)[(n_kv, splits)](
         qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads,
         min(window or max_len, max_len),
-        QK_SCALE=1.4426950408889634 / math.sqrt(d),  # softmax in base 2
+        QK_SCALE=1.4426950408889634 * (scale or 1 / math.sqrt(d)),  # softmax in base 2
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
         NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
         INTERPRET=interpret, PDL=pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl)
@@ -211,26 +211,26 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, launch):
 if triton is not None:  # opaque custom ops, as the GEMVs (kernels/gemv.py)
     @torch.library.custom_op("brisklm::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, _direct)  # no scales to read
+                             v: torch.Tensor, input_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _direct)  # no scales to read
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, k, v, input_pos, window):
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, _shapes_only)
+    def _(qkv, cos, sin, k, v, input_pos, window, scale):
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _shapes_only)
 
     @torch.library.custom_op("brisklm::decode_attention_int8", mutates_args=("k", "v", "k_scale", "v_scale"))
     def _decode_attention_int8_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                                  input_pos: torch.Tensor, window: int) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, _direct)
+                                  input_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _direct)
 
     @_decode_attention_int8_op.register_fake
-    def _(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window):
-        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, _shapes_only)
+    def _(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale):
+        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _shapes_only)
 
 
 def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """One new token's attention: RoPE on its query and key, its key and value
     stored in the cache at input_pos (shape (1,)), then causal attention over
     positions 0..input_pos (with a sliding window, the last `window` of them).
@@ -238,14 +238,15 @@ def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
     qkv: the token's projections (H + 2 Hkv) * D, q heads, then k, then v,
     before RoPE; cos, sin: (D/2,) fp32 for input_pos; k, v: the cache
     (1, Hkv, S, D) in qkv's dtype, or int8 codes with k_scale, v_scale
-    (1, Hkv, S, 1), written in place. Returns (1, 1, H * D) in qkv's dtype."""
+    (1, Hkv, S, 1), written in place; scale: the scores' factor (default
+    D**-0.5). Returns (1, 1, H * D) in qkv's dtype."""
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     ops = qkv.is_cuda
-    window = window or 0
+    window, scale = window or 0, scale or 0.0
     if k_scale is None:
         if ops:
-            return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window)
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, _direct)
+            return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window, scale)
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _direct)
     if ops:
-        return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window)
-    return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, _direct)
+        return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale)
+    return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _direct)
