@@ -129,23 +129,22 @@ class FusedAttention(Attention):
 
 
 class FusedMoE(MoEFeedForward):
-    """An MoE layer whose one-token step (inside a compiled step or a CUDA
-    graph) multiplies by each chosen expert's matrices where they lie in the
-    stacked tensors, the index read on the device by the GEMV
-    (gemv.expert_gemv): a decode step reads the chosen experts' weights once,
-    as a dense model's step reads its own."""
+    """An MoE layer whose steps inside a compiled graph or a CUDA graph (one
+    token, or a verify step's few) multiply each token by its chosen experts'
+    matrices where they lie in the stacked tensors, the index read on the
+    device by the GEMV (gemv.expert_gemv): a decode step reads the chosen
+    experts' weights once, as a dense model's step reads its own."""
 
     def by_slot(self, x, weights, chosen):
-        if x.shape[0] != 1:
-            return super().by_slot(x, weights, chosen)
         if self.stacked is None:
             self.stack()
         expert = self.experts[0]
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for j in range(self.top_k):
-            e = chosen[0, j:j + 1]  # (a tensor index: no host read)
-            gate, up = self.expert_matmul("w13", x[0], e).split(expert.intermediate_size)
-            y[0] += self.expert_matmul("w2", (expert.act(gate) * up).to(x.dtype), e) * weights[0, j]
+        for m in range(x.shape[0]):  # (a few rows at most here: a speculative step's verify forward)
+            for j in range(self.top_k):
+                e = chosen[m, j:j + 1]  # (a tensor index: no host read)
+                gate, up = self.expert_matmul("w13", x[m], e).split(expert.intermediate_size)
+                y[m] += self.expert_matmul("w2", (expert.act(gate) * up).to(x.dtype), e) * weights[m, j]
         return y
 
     def expert_matmul(self, name: str, x, e):

@@ -142,10 +142,10 @@ for mode in ("int8", "int4", "bf16"):
     assert isinstance(ffn, FusedMoE)
     in_place.clear()
     with torch.no_grad():
-        x = torch.randn(1, 64).bfloat16()
+        x = torch.randn(2, 64).bfloat16()  # (two rows: a verify step's)
         weights, chosen = ffn.route(x)
         got, want = ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen)
-    assert len(in_place) == 4, (mode, in_place)  # two experts, two matrices each
+    assert len(in_place) == 8, (mode, in_place)  # two rows, two experts each, two matrices each
     err = ((got - want).norm() / want.norm()).item()
     assert err < 2e-2, (mode, err)
     print("in place", mode, "ok")
