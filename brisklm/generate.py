@@ -375,7 +375,10 @@ class Generator:
         n = len(ids)
         shape = graphed and prefill_shape(start, n, max_seq_length)
         padded, kv_len = shape if shape else (n, start + n)
-        new = torch.tensor([ids + [0] * (padded - n)], dtype=torch.long, device=self.device)
+        if isinstance(ids, torch.Tensor):  # one token on the device: nothing to pad
+            new = ids.reshape(1, 1)
+        else:
+            new = torch.tensor([ids + [0] * (padded - n)], dtype=torch.long, device=self.device)
         return new, torch.arange(start, start + padded, device=self.device), kv_len, bool(shape)
 
     def prefill(self, ids: list[int], start: int, params: SamplingParams) -> torch.Tensor:
@@ -389,15 +392,17 @@ class Generator:
 
     def logits(self, ids: list[int], start: int, model: Transformer | None = None, last: int | None = None,
                depth: int | None = None) -> torch.Tensor:
-        """Logits (1, len(ids), V) of ids at positions start.., or (1, 1, V) at
-        index `last` only, of this generator's model or of `model` (a draft
-        with its own cache), their keys and values into its cache; from a CUDA
-        graph where one holds them (`_padded`)."""
+        """Logits (1, len(ids), V) of ids (a list, or one token as a (1,)
+        tensor) at positions start.., or (1, 1, V) at index `last` only, of
+        this generator's model or of `model` (a draft with its own cache),
+        their keys and values into its cache; compiled (rows_logits) where
+        decoding is, else from a CUDA graph where one holds them (`_padded`)."""
         model = model or self.model
         n = len(ids)
         rows = 1 if n == 1 else self.verify_rows if last is None and n <= self.verify_rows else None
         if self._rows is not None and rows and start + rows <= model.max_seq_length:
-            new = torch.tensor([ids + [0] * (rows - n)], dtype=torch.long, device=self.device)
+            new = ids.reshape(1, 1) if isinstance(ids, torch.Tensor) else torch.tensor(
+                [ids + [0] * (rows - n)], dtype=torch.long, device=self.device)
             if self.device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
             out = self._rows(model, new, torch.arange(start, start + rows, device=self.device), depth=depth)

@@ -71,7 +71,8 @@ class ModelDrafter:
     def propose(self, history: list[int], k: int, params: SamplingParams, run):
         """k tokens after history (its last token not yet in any cache), and
         their proposal distributions (k, V) when sampling (None when greedy).
-        run: Generator.logits, which replays the steps from CUDA graphs."""
+        run: Generator.logits (compiled or replayed steps), which takes ids
+        as a list or as a (1,) tensor on the device."""
         start = 0
         if self.shares_cache:
             start = len(history) - 1
@@ -81,13 +82,14 @@ class ModelDrafter:
                 start += 1
         feed = history[start:]
         drafts, probs = [], []
-        for _ in range(k):
+        for _ in range(k):  # each draft fed to the next step on the device: no host read until the last
             logits = run(feed, start, model=self.model, last=len(feed) - 1, depth=self.depth)[:, -1]
             if not params.greedy:
                 probs.append(logits_to_probs(logits, params)[0])
-            drafts.append(int(sample(logits, params)))
+            drafts.append(sample(logits, params).reshape(1))
             start += len(feed)
-            feed = drafts[-1:]
+            feed = drafts[-1]
+        drafts = torch.cat(drafts).tolist()
         self.cached = [*history, *drafts[:-1]]  # (the last draft's keys were never written)
         return drafts, (torch.stack(probs) if probs else None)
 
