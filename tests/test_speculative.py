@@ -295,6 +295,19 @@ def test_compiled_verify_and_draft_steps_give_the_plain_greedy_output():
 
 
 @pytest.mark.compile
+def test_compiled_verify_steps_see_only_a_sliding_window():
+    """A sliding-window model (Mistral's, Gemma's local layers), positions past
+    the first block of the verify step's mask: the blocks before the first
+    query's window are left out (model.rows_block_mask), the rest masked."""
+    args = ModelArgs(**{**TINY.to_dict(), "sliding_window": 24, "max_position_embeddings": 512})
+    plain, spec = Generator(tiny_model(args=args), 400), Generator(tiny_model(args=args), 400, compile=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 25  # 175 tokens: the window's start passes block 0
+    want = list(plain.tokens(prompt, 40, GREEDY))
+    assert list(spec.tokens(prompt, 40, GREEDY, drafter=NgramDrafter(), draft_tokens=4, adapt_drafts=False)) == want
+    assert spec.stats.target_steps < 39
+
+
+@pytest.mark.compile
 def test_steps_without_drafts_take_the_compiled_decode_step_and_change_nothing():
     plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
     for prompt in PROMPTS:  # (prompt lookup finds nothing in [3]: steps without drafts)
