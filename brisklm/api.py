@@ -339,14 +339,28 @@ class LLM:
         else:
             start, done = ("Compiling the decode step and prefill: 2-3 minutes for an 8B model on an H200, "
                            "10-20 s at later starts (the compiler's cache)", "Compiled")
+        speculative = self.drafter is not None and gen._rows is not None
+        if speculative and not warm:
+            start += "; then speculative decoding's verify and draft steps, as long again"
         t0 = time.perf_counter()
         with step(start, done, quiet):
             for _ in self.stream_ids(prompt_ids, 2, stop_ids=(), **sampling):
                 pass
+            if speculative:  # its compiled steps: a verify step's padded rows, a one-token draft step
+                self._warm_speculative(prompt_ids)
         gen.reset()
         if gen.compiled:
             mark_compiled(gen.compile_path)
         return time.perf_counter() - t0
+
+    @torch.no_grad()  # (as generation runs the steps: a compiled step guards on grad mode)
+    def _warm_speculative(self, prompt_ids: list[int]):
+        gen = self.generator
+        gen.verify_rows = self.draft_tokens + 1
+        gen.logits((prompt_ids * gen.verify_rows)[:gen.verify_rows], 0)
+        model = getattr(self.drafter, "model", None)
+        if model is not None:
+            gen.logits(prompt_ids[:1], 0, model=model, last=0, depth=self.drafter.depth)
 
     def score(self, ids: list[int], top: int = 0, start: int = 1) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """log p(ids[i] | ids[:i]) for i = start.., and at each of those

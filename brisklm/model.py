@@ -637,9 +637,11 @@ def rows_block_mask(max_seq_length: int, input_pos: torch.Tensor, window: int | 
     low = (first - window + 1).clamp(min=0) // block if window else torch.zeros_like(first)
     count = (last // block - low + 1).to(torch.int32).view(1, 1, 1)
     indices = (low + torch.arange(n, device=input_pos.device)).clamp(max=n - 1).to(torch.int32).view(1, 1, 1, n)
-    return BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=block, seq_lengths=(input_pos.shape[0], max_seq_length),
+    # (no block is listed as wholly visible, but the empty list is given: inductor's CPU
+    # flex attention fails to compile without one)
+    return BlockMask.from_kv_blocks(count, indices, torch.zeros_like(count), torch.zeros_like(indices), BLOCK_SIZE=block,
                                     mask_mod=lambda b, h, q_idx, kv_idx: visible(q_idx + first, kv_idx, window),
-                                    compute_q_blocks=False)
+                                    seq_lengths=(input_pos.shape[0], max_seq_length), compute_q_blocks=False)
 
 
 def layer_part(name: str) -> str:

@@ -313,3 +313,17 @@ def test_steps_without_drafts_take_the_compiled_decode_step_and_change_nothing()
     for prompt in PROMPTS:  # (prompt lookup finds nothing in [3]: steps without drafts)
         want = list(plain.tokens(prompt, 30, GREEDY))
         assert list(spec.tokens(prompt, 30, GREEDY, drafter=NgramDrafter(), draft_tokens=4)) == want, prompt
+
+
+@pytest.mark.compile
+def test_warm_up_compiles_the_speculative_steps_before_generation():
+    """LLM.warm_up compiles the verify step and the draft step too (with the
+    grad mode generation runs them in): generating afterwards compiles nothing."""
+    from torch._dynamo.utils import counters
+    from brisklm.api import LLM
+    llm = LLM(tiny_model(), None, max_seq_length=128, compile=True, speculate="self", draft_tokens=3, draft_layers=1)
+    llm.warm_up(PROMPTS[0])
+    compiled = counters["stats"]["unique_graphs"]
+    plain = list(Generator(tiny_model(), 128).tokens(PROMPTS[0], 30, GREEDY))
+    assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain
+    assert counters["stats"]["unique_graphs"] == compiled
