@@ -327,3 +327,24 @@ def test_warm_up_compiles_the_speculative_steps_before_generation():
     plain = list(Generator(tiny_model(), 128).tokens(PROMPTS[0], 30, GREEDY))
     assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+@pytest.mark.compile
+def test_the_compiled_verify_and_draft_steps_in_bf16_give_the_eager_logits():
+    """bf16 (the default dtype), where inductor's CPU flex attention takes its
+    C++ template (which failed to compile a one-token step's mask with no
+    full blocks listed): the compiled steps' logits against the eager
+    forward's over the same tokens."""
+    args = ModelArgs(**{**TINY.to_dict(), "head_dim": 64})
+    model = build_model(args, random_state_dict(args, torch.bfloat16, seed=0, std=0.3))
+    gen = Generator(model, 1024, compile=True)  # (several blocks of the mask)
+    gen.verify_rows = 5
+    ids = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    with torch.no_grad():
+        gen.logits(ids[:6], 0)  # (prefix keys and values in the cache)
+        got = gen.logits(ids[6:9], 6)[0].float()  # a verify step's rows
+        want = forward(model, torch.tensor([ids[:9]]), torch.arange(9), kv_len=9)[0, 6:9].float()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+        got = gen.logits(ids[9:10], 9, last=0, depth=2)[0, 0].float()  # a self-draft's one-token step
+        want = forward(model, torch.tensor([ids[9:10]]), torch.tensor([9]), kv_len=10, depth=2)[0, 0].float()
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
