@@ -36,18 +36,30 @@ from .sampling import SamplingParams, logits_to_probs, sample
 
 
 class NgramDrafter:
-    """Prompt lookup: no second model."""
+    """Prompt lookup: no second model.
+
+    Every n-gram of the history (n <= max_n) that has a token after it is
+    kept in a dict with the position of its latest continuation, updated as
+    the history grows, so a step's lookup costs max_n dict reads, not a scan
+    of the history (0.5 ms of Python for 1,000 tokens: half a decode step of
+    a small model on a GPU)."""
 
     def __init__(self, max_n: int = 3):
         self.max_n = max_n
+        self.history, self.indexed, self.latest = None, 0, {}
 
     def propose(self, history: list[int], k: int, params: SamplingParams, run=None):
         """Up to k tokens following history, and None (the proposal is one-hot)."""
-        for n in range(min(self.max_n, len(history) - 1), 0, -1):
-            tail = history[-n:]
-            for start in range(len(history) - n - 1, -1, -1):  # the latest occurrence first
-                if history[start:start + n] == tail:
-                    return history[start + n:start + n + k], None
+        if history is not self.history or len(history) < self.indexed:  # another run: index anew
+            self.history, self.indexed, self.latest = history, 0, {}
+        for end in range(self.indexed, len(history) - 1):  # n-grams ending there, continued at end + 1
+            for n in range(1, min(self.max_n, end + 1) + 1):
+                self.latest[tuple(history[end - n + 1:end + 1])] = end + 1
+        self.indexed = max(self.indexed, len(history) - 1)
+        for n in range(min(self.max_n, len(history) - 1), 0, -1):  # the longest suffix seen before
+            at = self.latest.get(tuple(history[-n:]))
+            if at is not None:
+                return history[at:at + k], None
         return [], None
 
     def kept(self, length: int):

@@ -95,6 +95,22 @@ def test_prompt_lookup_proposes_the_latest_continuation_of_the_longest_suffix():
     assert propose([1, 2, 3], 4, GREEDY) == ([], None)
 
 
+def test_prompt_lookup_indexed_as_the_history_grows_finds_what_a_scan_finds():
+    def scan(history, k, max_n=3):  # the definition: the latest earlier occurrence of the longest suffix
+        for n in range(min(max_n, len(history) - 1), 0, -1):
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start:start + n] == history[-n:]:
+                    return history[start + n:start + n + k]
+        return []
+    rng = random.Random(0)
+    drafter = NgramDrafter()
+    for run in range(20):
+        history = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        while len(history) < 60:
+            assert drafter.propose(history, 4, GREEDY)[0] == scan(history, 4), (run, history)
+            history.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
 def wilson_hilferty(df: int, z: float = 3.09) -> float:
     """The chi-square quantile for p = 0.001 (z = 3.09), by the Wilson-Hilferty approximation."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
