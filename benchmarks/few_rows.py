@@ -137,9 +137,7 @@ def sweep(m=5, fmts=("bf16", "int8", "int4-g128")):
             c = min(grid, key=lambda c: per_shape[name, c])
             print(f"  best for {name}: {c} {per_shape[name, c]:.1f} us (chosen: {per_shape[name, ranked[0]]:.1f})")
         matmul.CONFIG[kind] = ranked[0]
-        if fmt == "bf16" and totals[ranked[0]] < refs["cublas"]:
-            matmul.DENSE_ROWS = 16
-    print("CONFIG = " + repr({kinds[f]: c for f, c in best.items()}) + f"; DENSE_ROWS = {matmul.DENSE_ROWS}")
+    print("CONFIG = " + repr({kinds[f]: c for f, c in best.items()}))
 
 
 def main():

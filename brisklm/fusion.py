@@ -87,10 +87,8 @@ class FusedLinear(WeightFormat):
         return None
 
     def few_rows(self, x):
-        """(M, N) for a few tokens, the weight read once (codes widened in registers) on the tensor cores; or None."""
-        w = self.inner
-        if isinstance(w, Linear):  # (where ours measured faster than cuBLAS)
-            return matmul.few_rows_matmul(x, w.weight) if x.shape[0] <= matmul.DENSE_ROWS else None
+        """(M, N) for a few tokens of quantized codes, read once on the tensor cores; or None."""
+        w = self.inner  # (dense weights take cuBLAS: faster than our kernel at a few rows on an H200)
         if isinstance(w, ScaledWeightOnlyLinear):
             return matmul.few_rows_matmul(x, w.weight) * w.scale.float()
         if isinstance(w, GroupedInt8Linear):
@@ -156,13 +154,13 @@ class FusedMoE(MoEFeedForward):
         y = None
         if isinstance(w, Int4WeightOnlyLinear) and w.padded == w.in_features:
             y = gemv.expert_gemv(x, part["packed"], e, part["scale"], part["zero"])
-        elif isinstance(w, ScaledWeightOnlyLinear):
-            y = gemv.expert_gemv(x, part["weight"], e)
-            y = None if y is None else y.sum(0, keepdim=True) * part["scale"].index_select(0, e).float()
-        elif isinstance(w, Linear) and w.weight.dtype in (torch.bfloat16, torch.float16):
+        elif isinstance(w, (ScaledWeightOnlyLinear, Linear)):  # (None where the kernels take no such codes: fp8)
             y = gemv.expert_gemv(x, part["weight"], e)
         if y is not None:
-            return y.sum(0)
+            y = y.sum(0)
+            if isinstance(w, ScaledWeightOnlyLinear):  # (int8's per-row scale, on the sums)
+                y = y * part["scale"].index_select(0, e)[0].float()
+            return y
         # no kernel reads this format in place: the expert's tensors copied out, as by_slot does
         tensors = {f"inner.{p}": t.index_select(0, e)[0] for p, t in part.items()}
         return torch.func.functional_call(linear, tensors, (x[None],))[0].float()

@@ -884,8 +884,8 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor, scale=No
         if scale is not None or not uses_dp4a(x, w[0]):
             return None
         cfg = config("8d", *w.shape[1:], dp4a_block(w.shape[2]))
-    elif w.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        cfg = config(w.element_size() * 8, *w.shape[1:])
+    elif w.dtype in (torch.bfloat16, torch.float16):
+        cfg = config(16, *w.shape[1:])
     else:
         return None
     return _run(_expert_gemv_op, _launch_expert, x, w, scale, zero, expert, list(cfg))

@@ -97,7 +97,7 @@ def supported(x: torch.Tensor) -> bool:
 # the rows rounded up to 16. Measured on an H200 at 5 rows over the 8B shapes (benchmarks/few_rows.py
 # --sweep, 2026-12-02), where 32 candidates each spanned 4-10%: int8 356 us for a layer and the
 # output layer (one token through the GEMVs: 205), int4 g128 335 (156), dense bf16 364 against
-# cuBLAS's 356 (so DENSE_ROWS stays 0). Q8_0's scale per 32 inputs was not swept.
+# cuBLAS's 356 (so fusion.py leaves dense weights to cuBLAS). Q8_0's scale per 32 inputs was not swept.
 CONFIG = {ROW_SCALED: (64, 128, 4, 3, True, 528), GROUPED_INT8: (64, 128, 4, 3, False, 264),
           INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, False, 264)}
 
@@ -127,11 +127,6 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     if codes.is_cuda and not interpreted():
         return _few_rows_op(x, codes, scale, zero)
     return _launch(x, codes, scale, zero)
-
-
-# Dense bf16 / fp16 weights take these kernels at 2..DENSE_ROWS tokens, where they beat cuBLAS
-# (on an H200 they did not: see CONFIG).
-DENSE_ROWS = 0
 
 
 def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
