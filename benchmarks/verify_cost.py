@@ -37,6 +37,29 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def profile(fn, rows: int, steps: int = 10):
+    """Where a verify step's time goes: wall time per step against the sum of
+    its kernels' times (the difference is host work nothing overlaps), the
+    kernels by total time, and the host ops by their own time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    print(f"profile, {rows} rows: {wall:.3f} ms a step (profiled), kernels {busy:.3f} ms a step, "
+          f"{len(kernels)} kernel kinds", flush=True)
+    print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70), flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama-3.1-8b")
@@ -49,6 +72,9 @@ def main():
     ap.add_argument("--own_graph", action="store_true",
                     help="the compiled verify step without inductor's CUDA graphs, captured and replayed by "
                          "generate.replayed instead (no guards or graph-tree checks on the host per call)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile 10 verify steps of K = rows - 1 drafts: wall time against the GPU's busy time "
+                         "per step, the top kernels and the top host ops")
     ap.add_argument("--sweep", default=None, help="first run few_rows.py's sweep for these formats (bf16,int8,"
                     "int4-g128) and keep its best blocks")
     opts = ap.parse_args()
@@ -83,6 +109,8 @@ def main():
             ms = timed(lambda: gen.logits(tokens, opts.start), opts.reps)
             rows.append((padded, k, ms, ms / step_ms))
             print(f"K={k} ({padded} rows): {ms:.2f} ms, {ms / step_ms:.2f} decode steps", flush=True)
+        if opts.profile:
+            profile(lambda: gen.logits(ids[:padded], opts.start), padded)
     mode = opts.quantize or "bf16"
     how = "uncompiled, graphed" if opts.no_compile else "compiled, one replayed graph" if opts.own_graph else "compiled"
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {opts.preset} {mode}, "

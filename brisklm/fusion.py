@@ -103,26 +103,29 @@ class FusedLinear(WeightFormat):
 
 
 class FusedAttention(Attention):
-    """Attention whose one-token step (batch 1) is one Triton kernel: RoPE on
-    its query and key, its key and value stored at input_pos, attention over
-    positions 0..input_pos (the last `window` of them). Per-head q/k norms
+    """Attention whose step over one token, or a few (batch 1: decoding, a
+    speculative verify step, a short prompt), is one Triton kernel: RoPE on
+    the queries and keys, the keys and values stored at input_pos, attention
+    over the positions each token sees (the last `window` of them). Per-head q/k norms
     (Qwen3, Gemma 3) are applied to the projections first, in torch ops that a
     compiled step fuses into one small kernel."""
 
     def forward(self, x, cos, sin, mask, input_pos):
-        if x.shape[:2] != (1, 1):
+        T = x.shape[1]
+        if not attention_kernel.supported(x.device, x.shape[0], T, self.head_dim):
             return super().forward(x, cos, sin, mask, input_pos)
         cache = self.kv_cache
         scales = (cache.k_scale, cache.v_scale) if cache.k.dtype == torch.int8 else (None, None)
         if not self.rope:  # (a layer without RoPE, SmolLM3's: the identity rotation)
             cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
-        qkv = self.wqkv(x).reshape(-1)
+        qkv = self.wqkv(x).reshape(T, -1)
         if hasattr(self, "q_norm"):
             d = self.head_dim
-            q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d])
-            qkv = torch.cat([self.q_norm(q.view(-1, d)).reshape(-1), self.k_norm(k.view(-1, d)).reshape(-1), v])
-        y = attention_kernel.decode_attention(qkv, cos.reshape(-1), sin.reshape(-1), cache.k, cache.v, input_pos,
-                                              *scales, window=self.window, scale=self.scale)
+            q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
+            qkv = torch.cat([self.q_norm(q.reshape(T, -1, d)).reshape(T, -1),
+                             self.k_norm(k.reshape(T, -1, d)).reshape(T, -1), v], dim=-1)
+        y = attention_kernel.decode_attention(qkv, cos.reshape(T, -1), sin.reshape(T, -1), cache.k, cache.v,
+                                              input_pos, *scales, window=self.window, scale=self.scale)
         return self.wo(y)
 
 

@@ -273,6 +273,60 @@ for h, hkv, d, S, dtype, int8, window in CASES:
 print("attention ok")
 """
 
+ROWS_CHILD = r"""
+import copy, math, torch
+from brisklm.kernels.attention import decode_attention, num_splits
+from brisklm.model import KVCache, apply_rope
+torch.manual_seed(0)
+# A few new tokens at once (a speculative verify step): (query heads, KV heads,
+# head dim, cache length, dtype, int8 cache, window, tokens). Groups of 1, 3, 4
+# and 8 (two chunks of query rows at 9 tokens), one slice and several, windows
+# shorter than the tokens (a row sees fewer keys than the one before it).
+CASES = [(8, 2, 64, 200, torch.float32, False, None, 5), (9, 3, 64, 300, torch.float32, False, None, 16),
+         (16, 2, 32, 700, torch.float32, False, None, 9), (8, 2, 128, 3000, torch.bfloat16, False, None, 5),
+         (8, 2, 64, 700, torch.float32, True, None, 4), (4, 4, 32, 300, torch.float32, True, 3, 6),
+         (8, 2, 64, 3000, torch.float32, False, 100, 9), (4, 1, 32, 100, torch.float32, False, 2, 2)]
+assert {num_splits(c[3]) for c in CASES} == {1, 2, 4, 16}
+for h, hkv, d, S, dtype, int8, window, T in CASES:
+    cache = KVCache(1, hkv, S, d, dtype, "cpu", int8)
+    cache.write(torch.arange(S), torch.randn(1, hkv, S, d).to(dtype), torch.randn(1, hkv, S, d).to(dtype))
+    for pos in (0, 1, 60, S // 2 + 3, S - T):
+        qkv = torch.randn(T, (h + 2 * hkv) * d).to(dtype)
+        angles = (pos + torch.arange(T))[:, None] * torch.rand(d // 2)
+        cos, sin = angles.cos(), angles.sin()
+        ref = copy.deepcopy(cache)
+        q, k, v = (t.view(1, T, -1, d).transpose(1, 2) for t in qkv.split([h * d, hkv * d, hkv * d], dim=-1))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ref.write(torch.arange(pos, pos + T), k, v)
+        scales = (cache.k_scale, cache.v_scale) if int8 else ()
+        y = decode_attention(qkv, cos, sin, cache.k, cache.v, torch.tensor([pos]), *scales, window=window)
+        assert y.shape == (1, T, h * d) and y.dtype == dtype
+        for name in ("k", "v") + (("k_scale", "v_scale") if int8 else ()):  # the new tokens, stored
+            a, b = getattr(cache, name).double(), getattr(ref, name).double()
+            if dtype == torch.float32:
+                assert torch.equal(a, b), (name, pos)
+            else:  # (the interpreter truncates to bf16: see ATTENTION_CHILD)
+                assert ((a - b).abs() <= b.abs() * 2 ** -6).all(), (name, pos)
+        # each token over what the kernel stored, up to its own position, in fp64
+        ks, vs = ((getattr(cache, n)[0].double() * (getattr(cache, n + "_scale")[0].double() if int8 else 1))
+                  for n in ("k", "v"))
+        kk, vv = (t.repeat_interleave(h // hkv, 0) for t in (ks, vs))  # (H, S, D)
+        keys, at = torch.arange(S), pos + torch.arange(T)
+        seen = (keys[None, :] <= at[:, None]) & (keys[None, :] > at[:, None] - (window or S + 1))  # (T, S)
+        scores = (q.double()[0] @ kk.transpose(1, 2) / math.sqrt(d)).masked_fill(~seen, float("-inf"))
+        expect = torch.softmax(scores, -1) @ vv  # (H, T, D)
+        got = y.double().view(T, h, d).transpose(0, 1)
+        err = ((got - expect).norm() / expect.norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 8e-3), (h, hkv, d, S, int8, window, T, pos, err)
+print("rows ok")
+"""
+
+
+@pytest.mark.slow
+def test_attention_kernel_over_a_few_new_tokens_matches_fp64():
+    assert "rows ok" in run_interpreted(ROWS_CHILD)
+
+
 MODEL_ATTENTION_CHILD = r"""
 import torch
 from brisklm.fusion import FusedAttention, fuse_for_decode
@@ -281,6 +335,7 @@ from brisklm.model import ModelArgs, build_model, random_state_dict
 # a sliding layer (own RoPE base) and a global one, norms as (1 + w) that stay
 # in front of the Linear, GeGLU, scaled embeddings, q/k norms before the
 # kernel and its own query scale. Qwen3: q/k norms.
+torch.manual_seed(0)
 GEMMA = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=1e4,
              rope_theta=1e6, hidden_act="gelu_pytorch_tanh", embed_scale=11.3, norm_offset=1.0, sandwich_norms=True,
              qk_norm=True, query_pre_attn_scalar=24)
@@ -298,9 +353,9 @@ for no_rope, extra in ((None, {}), ([1, 0], {}), (None, GEMMA), (None, dict(qk_n
         for model in (fused, plain):
             model.setup_caches(1, 300, kv_int8)  # two slices
             with torch.no_grad():
-                logits = [model(torch.tensor([[1, 5, 9, 3, 7]]), torch.arange(5))]
-                for pos in range(5, 9):  # decode: one token at a time
-                    logits.append(model(logits[-1][:, -1:].argmax(-1), torch.tensor([pos]), kv_len=pos + 1))
+                logits = [model(torch.tensor([[1, 5, 9, 3, 7]]), torch.arange(5))]  # (a few tokens at once)
+                for pos, token in zip(range(5, 9), (2, 8, 4, 6)):  # decode: one token at a time
+                    logits.append(model(torch.tensor([[token]]), torch.tensor([pos]), kv_len=pos + 1))
             outputs.append(torch.cat(logits, 1))
         err = ((outputs[0] - outputs[1]).norm() / outputs[1].norm()).item()
         assert err < 1e-5, (no_rope, kv_int8, err)
@@ -345,10 +400,10 @@ q8 = quantize_int8(w, 32)  # GGUF Q8_0: a scale per 32 inputs
 cases.append((gemv._int8_group_dp4a_op, (x, q8["int8"], q8["scale"].half(), list(gemv.config("8gd", 40, 64, 32)))))
 wf8 = quantize_fp8(w)["fp8"]
 assert gemv.uses_fp8_half(x, wf8)
-for int8 in (False, True):
+for int8, tokens in ((False, 1), (True, 1), (False, 3), (True, 3)):  # (one new token, and a few)
     cache = KVCache(1, 2, 48, 32, torch.bfloat16, "cpu", int8)
-    qkv = torch.randn((4 + 2 * 2) * 32).to(torch.bfloat16)
-    cos, sin = torch.rand(16), torch.rand(16)
+    qkv = torch.randn(tokens, (4 + 2 * 2) * 32).to(torch.bfloat16)
+    cos, sin = torch.rand(tokens, 16), torch.rand(tokens, 16)
     pos = torch.tensor([7])
     if int8:
         cases.append((attention._decode_attention_int8_op,
@@ -366,7 +421,7 @@ print("ops ok", len(cases) + 1)
 
 @pytest.mark.slow
 def test_custom_ops_fake_implementations_and_schemas():
-    assert "ops ok 11" in run_interpreted(OPS_CHILD)
+    assert "ops ok 13" in run_interpreted(OPS_CHILD)
 
 
 def test_a_tuned_table_given_for_a_block_is_used_there_and_restored_after():

@@ -1,4 +1,4 @@
-"""Attention for one new token against the KV cache, in Triton (split-K decoding).
+"""Attention for one new token (or a few) against the KV cache, in Triton (split-K decoding).
 
 At batch 1 a decode step's attention reads each cached key and value once,
 and for short contexts it is all launch latency: flex attention spends three
@@ -20,6 +20,10 @@ The cache may hold int8 codes with a scale per position and head: the key
 scale multiplies the scores and the value scale the probabilities, so the
 codes go to the tensor cores as they are, widened only to bf16.
 
+A few new tokens at once (a speculative verify step, a short prompt) take
+_rows_kernel: the same slicing, with each program's query rows the (token,
+head) pairs of its group, so the keys are still read once for all of them.
+
 The same launchers run under TRITON_INTERPRET=1 on CPU tensors (the tests).
 """
 from __future__ import annotations
@@ -36,10 +40,26 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
     from .gemv import _await_inputs
 
     @triton.jit
-    def _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, ok, m, denom, acc,
-                D: tl.constexpr, QK_SCALE: tl.constexpr, INT8: tl.constexpr, F32: tl.constexpr):
+    def _online(scores, m, denom):
+        """One block's step of the online softmax (base 2): the new running max,
+        the factor for what was summed before, the block's weights and the new
+        denominator. A row that has seen nothing yet (its max still -inf) gets
+        weights 0, not NaN (a few-row step's windows can leave a row a block with
+        no visible key)."""
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        return m_new, alpha, p, denom * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, ok, m, denom, acc, key_pos, q_lo,
+                D: tl.constexpr, QK_SCALE: tl.constexpr, INT8: tl.constexpr, F32: tl.constexpr,
+                ROWS: tl.constexpr):
         """Online softmax over one block of cached positions (rows, masked by ok).
-        Queries and keys come in halves, as RoPE rotates them."""
+        Queries and keys come in halves, as RoPE rotates them. With ROWS (a
+        few new tokens' queries), each query row sees only the keys at or past
+        its own window's start q_lo (key_pos: the block's positions)."""
         half, d = tl.arange(0, D // 2), tl.arange(0, D)
         k_rows = k_ptr + rows[:, None] * D
         k1 = tl.load(k_rows + half[None, :], mask=ok[:, None], other=0).to(q1.dtype)  # int8 is exact in bf16
@@ -50,11 +70,11 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         scores = (scores + tl.dot(q2, tl.trans(k2), input_precision=precision)) * QK_SCALE
         if INT8:
             scores *= tl.load(ks_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
-        scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
+        if ROWS:
+            scores = tl.where(ok[None, :] & (key_pos[None, :] >= q_lo[:, None]), scores, float("-inf"))
+        else:
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_new, alpha, p, denom = _online(scores, m, denom)
         if INT8:
             p *= tl.load(vs_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=precision)
@@ -103,11 +123,11 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
                 start = first + i * BLOCK_S
                 if start < cached_end:
                     m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
-                                            start + s < cached_end, m, denom, acc, D, QK_SCALE, INT8, F32)
+                                            start + s < cached_end, m, denom, acc, 0, 0, D, QK_SCALE, INT8, F32, False)
         else:
             for start in tl.range(first, cached_end, BLOCK_S):
                 m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
-                                        start + s < cached_end, m, denom, acc, D, QK_SCALE, INT8, F32)
+                                        start + s < cached_end, m, denom, acc, 0, 0, D, QK_SCALE, INT8, F32, False)
         if (first <= pos) & (pos < end):  # this slice holds the new token: store it, attend to it
             k_ptrs = qkv_ptr + (H + kv_head) * D + half
             k1, k2 = _rope(tl.load(k_ptrs), tl.load(k_ptrs + D // 2), cos, sin, dtype)
@@ -152,6 +172,111 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
             tl.store(lse_ptr + split * H + heads, lse, mask=g < G)
 
     @triton.jit
+    def _rows_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, T,
+                     WINDOW, QK_SCALE: tl.constexpr, G: tl.constexpr, QROWS: tl.constexpr, T_PAD: tl.constexpr,
+                     D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+                     INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        """_split_kernel for T new tokens at positions pos..pos+T-1 (a
+        speculative verify step, a short prompt): the query rows of a program
+        are (token, head of the group) pairs, a chunk of the tokens (grid axis
+        2). The cached positions 0..pos-1 are sliced as for one token; the
+        slice that holds pos also takes the T new keys, RoPE'd from the
+        projections in registers, stores them (chunk 0 does) and attends to
+        them causally."""
+        _await_inputs(PDL)
+        kv_head, split, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pos = tl.load(pos_ptr)  # the first new token's; the cache holds positions 0..pos-1
+        lo = tl.maximum(pos + 1 - WINDOW, 0)  # the first position the first token's window keeps
+        blocks_per_split = tl.cdiv(tl.cdiv(pos + 1 - lo, BLOCK_S), NUM_SPLITS)
+        first = lo + split * blocks_per_split * BLOCK_S
+        end = tl.minimum(first + blocks_per_split * BLOCK_S, pos + 1)
+        r, half, s = tl.arange(0, QROWS), tl.arange(0, D // 2), tl.arange(0, BLOCK_S)
+        per_chunk: tl.constexpr = QROWS // G
+        t = chunk * per_chunk + r // G  # each query row's token
+        valid = (r < per_chunk * G) & (t < T)
+        heads = kv_head * G + r % G
+        q_lo = tl.maximum(pos + t + 1 - WINDOW, 0)  # each row's window start
+        stride = (H + 2 * (H // G)) * D  # of qkv's rows
+        dtype = qkv_ptr.dtype.element_ty
+        cos = tl.load(cos_ptr + t[:, None] * (D // 2) + half[None, :], mask=valid[:, None], other=1.0)
+        sin = tl.load(sin_ptr + t[:, None] * (D // 2) + half[None, :], mask=valid[:, None], other=0.0)
+        q_ptrs = qkv_ptr + t[:, None] * stride + heads[:, None] * D + half[None, :]
+        q1, q2 = _rope(tl.load(q_ptrs, mask=valid[:, None], other=0.0),
+                       tl.load(q_ptrs + D // 2, mask=valid[:, None], other=0.0), cos, sin, dtype)
+        if F32:
+            q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
+        m = tl.full((QROWS,), float("-inf"), tl.float32)
+        denom = tl.zeros((QROWS,), tl.float32)
+        acc = tl.zeros((QROWS, D), tl.float32)
+        row0 = kv_head * S
+        cached_end = tl.minimum(end, pos)
+        if INTERPRET:
+            for i in range(MAX_BLOCKS):
+                start = first + i * BLOCK_S
+                if start < cached_end:
+                    m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
+                                            start + s < cached_end, m, denom, acc, start + s, q_lo,
+                                            D, QK_SCALE, INT8, F32, True)
+        else:
+            for start in tl.range(first, cached_end, BLOCK_S):
+                m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
+                                        start + s < cached_end, m, denom, acc, start + s, q_lo,
+                                        D, QK_SCALE, INT8, F32, True)
+        if (first <= pos) & (pos < end):  # this slice holds the new tokens: store them, attend to them
+            u = tl.arange(0, T_PAD)  # the new tokens, as keys
+            new = u < T
+            d = tl.arange(0, D)
+            k_cos = tl.load(cos_ptr + u[:, None] * (D // 2) + half[None, :], mask=new[:, None], other=1.0)
+            k_sin = tl.load(sin_ptr + u[:, None] * (D // 2) + half[None, :], mask=new[:, None], other=0.0)
+            k_ptrs = qkv_ptr + u[:, None] * stride + (H + kv_head) * D + half[None, :]
+            k1, k2 = _rope(tl.load(k_ptrs, mask=new[:, None], other=0.0),
+                           tl.load(k_ptrs + D // 2, mask=new[:, None], other=0.0), k_cos, k_sin, dtype)
+            k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
+            v = tl.load(qkv_ptr + u[:, None] * stride + (H + H // G + kv_head) * D + d[None, :],
+                        mask=new[:, None], other=0.0).to(tl.float32)
+            cache_rows = row0 + pos + u
+            store = new & (pos + u < S) & (u >= chunk * T_PAD)  # (true in chunk 0 only: u < T_PAD)
+            if INT8:  # codes from the fp32 scale; the scale is kept in the model's dtype
+                k_scale = tl.maximum(tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1)), 1e-8) / 127
+                v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-8) / 127
+                k1, k2 = _round(k1 / k_scale[:, None]), _round(k2 / k_scale[:, None])
+                v = _round(v / v_scale[:, None])
+                tl.store(k_ptr + cache_rows[:, None] * D + half[None, :], k1.to(tl.int8), mask=store[:, None])
+                tl.store(k_ptr + cache_rows[:, None] * D + D // 2 + half[None, :], k2.to(tl.int8),
+                         mask=store[:, None])
+                tl.store(v_ptr + cache_rows[:, None] * D + d[None, :], v.to(tl.int8), mask=store[:, None])
+                k_scale, v_scale = k_scale.to(dtype), v_scale.to(dtype)
+                tl.store(ks_ptr + cache_rows, k_scale, mask=store)
+                tl.store(vs_ptr + cache_rows, v_scale, mask=store)
+                # attend to what later steps will read back
+                k1 = (k1 * k_scale.to(tl.float32)[:, None]).to(dtype).to(tl.float32)
+                k2 = (k2 * k_scale.to(tl.float32)[:, None]).to(dtype).to(tl.float32)
+                v = (v * v_scale.to(tl.float32)[:, None]).to(dtype).to(tl.float32)
+            else:
+                tl.store(k_ptr + cache_rows[:, None] * D + half[None, :], k1.to(dtype), mask=store[:, None])
+                tl.store(k_ptr + cache_rows[:, None] * D + D // 2 + half[None, :], k2.to(dtype),
+                         mask=store[:, None])
+                tl.store(v_ptr + cache_rows[:, None] * D + d[None, :], v.to(dtype), mask=store[:, None])
+            # (every value here is one of the model's dtype: exact in q1's)
+            precision: tl.constexpr = "ieee" if F32 else None
+            scores = tl.dot(q1, tl.trans(k1.to(q1.dtype)), input_precision=precision)
+            scores = (scores + tl.dot(q2, tl.trans(k2.to(q1.dtype)), input_precision=precision)) * QK_SCALE
+            seen = new[None, :] & (u[None, :] <= t[:, None]) & (pos + u[None, :] >= q_lo[:, None])
+            scores = tl.where(seen, scores, float("-inf"))
+            m_new, alpha, p, denom = _online(scores, m, denom)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v.to(q1.dtype), input_precision=precision)
+            m = m_new
+        filled = denom > 0  # false in the slices past the filled length
+        safe = tl.where(filled, denom, 1.0)
+        out = acc / safe[:, None]
+        d = tl.arange(0, D)
+        out_rows = split * T * H + t * H + heads  # (token, head) rows of (splits, T * H, D)
+        tl.store(o_ptr + out_rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+        if NUM_SPLITS > 1:  # natural log, for the combine
+            lse = tl.where(filled, m / 1.4426950408889634 + tl.log(safe), float("-inf"))
+            tl.store(lse_ptr + out_rows, lse, mask=valid)
+
+    @triton.jit
     def _combine_kernel(o_ptr, lse_ptr, out_ptr, H, D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
         head = tl.program_id(0)
@@ -175,36 +300,50 @@ def num_splits(max_seq_length: int) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(max_seq_length, POSITIONS_PER_SPLIT)))
 
 
+# The most new tokens a step may bring (a verify step's drafts + 1; a short prompt).
+MAX_TOKENS = 16
+
+
 def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> bool:
-    """Whether the kernel can serve this step: one sequence, one new token, and
-    heads whose halves (RoPE's rotation pairs) fill a tensor-core dot (K >= 16)."""
-    return (available(device) and batch == 1 and tokens == 1 and head_dim >= 32
+    """Whether the kernels can serve this step: one sequence, up to MAX_TOKENS
+    new tokens, and heads whose halves (RoPE's rotation pairs) fill a
+    tensor-core dot (K >= 16)."""
+    return (available(device) and batch == 1 and 1 <= tokens <= MAX_TOKENS and head_dim >= 32
             and head_dim & (head_dim - 1) == 0)
 
 
 def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, launch):
     n_kv, max_len, d = k.shape[1:]
-    n_heads = qkv.numel() // d - 2 * n_kv
+    tokens = qkv.shape[0] if qkv.dim() == 2 else 1
+    n_heads = qkv.shape[-1] // d - 2 * n_kv
     group = n_heads // n_kv
     splits, block = num_splits(max_len), BLOCK_S
     int8 = k.dtype == torch.int8
     dtype = qkv.dtype
-    out = torch.empty((1, 1, n_heads * d), device=qkv.device, dtype=dtype)
-    partial = out if splits == 1 else torch.empty((splits, n_heads, d), device=qkv.device, dtype=torch.float32)
-    lse = torch.empty((splits, n_heads), device=qkv.device, dtype=torch.float32)
+    out = torch.empty((1, tokens, n_heads * d), device=qkv.device, dtype=dtype)
+    rows = tokens * n_heads  # (token, head) pairs
+    partial = out if splits == 1 else torch.empty((splits, rows, d), device=qkv.device, dtype=torch.float32)
+    lse = torch.empty((splits, rows), device=qkv.device, dtype=torch.float32)
     max_blocks = triton.cdiv(triton.cdiv(max_len, block), splits)
     interpret = interpreted()
     pdl = early_launch(qkv.device)
-    launch(_split_kernel)[(n_kv, splits)](
-        qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads,
-        min(window or max_len, max_len),
-        QK_SCALE=1.4426950408889634 * (scale or 1 / math.sqrt(d)),  # softmax in base 2
-        G=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_S=block,
-        NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8, F32=dtype == torch.float32 or interpret,
-        INTERPRET=interpret, PDL=pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl)
+    common = dict(QK_SCALE=1.4426950408889634 * (scale or 1 / math.sqrt(d)),  # softmax in base 2
+                  D=d, BLOCK_S=block, NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8,
+                  F32=dtype == torch.float32 or interpret, INTERPRET=interpret, PDL=pdl,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl)
+    args = (qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads)
+    window = min(window or max_len, max_len)
+    if tokens == 1:
+        launch(_split_kernel)[(n_kv, splits)](*args, window, G=group, G_PAD=max(16, triton.next_power_of_2(group)),
+                                              **common)
+    else:  # query rows: (token, head) pairs of a group, QROWS a program, up to 64 (or one group)
+        qrows = min(max(16, triton.next_power_of_2(tokens * group)), max(64, triton.next_power_of_2(group)))
+        chunks = triton.cdiv(tokens, qrows // group)
+        launch(_rows_kernel)[(n_kv, splits, chunks)](*args, tokens, window, G=group, QROWS=qrows,
+                                                     T_PAD=max(16, triton.next_power_of_2(tokens)), **common)
     if splits > 1:
-        launch(_combine_kernel)[(n_heads,)](partial, lse, out, n_heads, D=d, NUM_SPLITS=splits, PDL=pdl,
-                                            num_warps=4, launch_pdl=pdl)
+        launch(_combine_kernel)[(rows,)](partial, lse, out, rows, D=d, NUM_SPLITS=splits, PDL=pdl,
+                                         num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -231,15 +370,17 @@ if triton is not None:  # opaque custom ops, as the GEMVs (kernels/gemv.py)
 
 def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
                      window: int | None = None, scale: float | None = None) -> torch.Tensor:
-    """One new token's attention: RoPE on its query and key, its key and value
-    stored in the cache at input_pos (shape (1,)), then causal attention over
-    positions 0..input_pos (with a sliding window, the last `window` of them).
+    """The attention of T (up to MAX_TOKENS) new tokens at positions
+    input_pos[0].. : RoPE on their queries and keys, their keys and values
+    stored in the cache, then causal attention, each over positions
+    0..its own (with a sliding window, the last `window` of them).
 
-    qkv: the token's projections (H + 2 Hkv) * D, q heads, then k, then v,
-    before RoPE; cos, sin: (D/2,) fp32 for input_pos; k, v: the cache
+    qkv: the tokens' projections, (H + 2 Hkv) * D for one token or
+    (T, (H + 2 Hkv) * D), q heads, then k, then v, before RoPE; cos, sin:
+    (D/2,) or (T, D/2) fp32 for those positions; k, v: the cache
     (1, Hkv, S, D) in qkv's dtype, or int8 codes with k_scale, v_scale
     (1, Hkv, S, 1), written in place; scale: the scores' factor (default
-    D**-0.5). Returns (1, 1, H * D) in qkv's dtype."""
+    D**-0.5). Returns (1, T, H * D) in qkv's dtype."""
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     ops = qkv.is_cuda
     window, scale = window or 0, scale or 0.0
