@@ -254,10 +254,12 @@ class Generator:
             self.compile_path = artifacts_path(model, options)  # (precompile.compiled_before tells)
             # (flex attention's guards do not load back, nor do a tensor-parallel
             # step's collectives, whose ranks would also write one file: no precompile)
+            # (static shapes: a second model of other shapes compiles a graph of its own, where
+            # Dynamo would otherwise make the sizes symbolic, which the kernels' launch settings cannot be)
             if self.block_mask is None and model.tensor_parallel is None:
-                self._decode = precompiled(decode_one_token, options, self.compile_path)
+                self._decode = precompiled(decode_one_token, options, self.compile_path, dynamic=False)
             else:
-                self._decode = torch.compile(decode_one_token, fullgraph=True, options=options)
+                self._decode = torch.compile(decode_one_token, fullgraph=True, dynamic=False, options=options)
             # one static shape a step kind: a verify step pads its rows, a draft step has one
             self._rows = torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options)
         moe = model.args.num_local_experts > 0
