@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -230,6 +231,7 @@ class Generator:
         self.block_mask = None
         self._rows = None  # the compiled verify and draft steps (rows_logits), where decoding is compiled
         self.verify_rows = 5  # tokens a compiled verify step holds (drafts + 1; set by tokens())
+        self.draft_costs = weakref.WeakKeyDictionary()  # drafter -> seconds a step by drafts (DraftPolicy)
         # Uncompiled on CUDA, the step is replayed from a CUDA graph where its
         # attention reads the filled length on the device (the Triton kernel
         # fusion.fuse_for_decode swapped in); BRISKLM_CUDA_GRAPHS=0 runs it op
@@ -307,7 +309,8 @@ class Generator:
         yield first
         if first in stop:
             return
-        policy = DraftPolicy(k) if adapt else None  # (how many drafts pay, from what this run measures)
+        # (how many drafts pay: from the step costs measured with this drafter, in this run and before)
+        policy = DraftPolicy(k, costs=self.draft_costs.setdefault(drafter, {})) if adapt else None
         while stats.new_tokens < max_new_tokens:
             here = len(history) - 1  # the position of the newest token, not yet in the cache
             room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted

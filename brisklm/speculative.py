@@ -24,8 +24,9 @@ Drafters:
                 the target's weights and those layers' cache), or a smaller
                 model of its own with its own cache.
 
-DraftPolicy chooses how many drafts each step proposes, from the run's own
-measure of what a step with k drafts costs and how often drafts are kept.
+DraftPolicy chooses how many drafts each step proposes, from the measured
+cost of a step with k drafts (kept by the generator across runs) and how
+often this run's drafts are kept.
 """
 from __future__ import annotations
 
@@ -141,29 +142,39 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
 
 class DraftPolicy:
     """How many drafts to propose at each step: the k in 0..max_k that gives
-    the most tokens per second, from what the run has measured so far.
+    the most tokens per second, from what has been measured.
 
     A step with k drafts yields 1 + a + a^2 + ... + a^k tokens on average if
     each draft is kept with probability a, and costs the seconds measured for
-    steps with k drafts (drafting and verifying; a k not tried yet is
-    interpolated between the nearest tried ones). So drafts that keep being
-    rejected drive k to 0, and the run decodes as plainly as without a
-    drafter (in runs of plain steps queued ahead, as plain decoding's loop
-    does: on a GPU a step that waits for the host costs that wait too), but
-    for a probe with one draft now and then, at intervals that double while
-    probes fail (1/16 of the steps at first, 1/256 at most): the cost of
-    speculating on text where it cannot pay stays a few percent."""
+    steps with k drafts (drafting and verifying). A k not tried yet is costed
+    on the line through the nearest tried ones: a model drafter's steps grow
+    by a draft step each, a verify step by a little. The costs are the
+    generator's (`costs`, kept across its runs with this drafter), the
+    chance of keeping a draft this run's: text decides it.
 
-    def __init__(self, max_k: int, decay: float = 0.95):
+    Each run starts with one draft (a cheap first look at the chance), and
+    measures a plain step if no run has. Drafts that keep being rejected
+    drive k to 0, and the run decodes as plainly as without a drafter (in
+    runs of plain steps queued ahead, as plain decoding's loop does: on a
+    GPU a step that waits for the host costs that wait too), but for a probe
+    with one draft now and then. A failed probe waits longer before the next
+    one: twice as long each time (from 16 steps to 256), and at least as
+    long as keeps the probes' extra cost under PROBE_SHARE of the time (a
+    self-draft's probe on a small launch-bound model costs 2.5 plain steps).
+    So speculating on text where it cannot pay costs a few percent at most."""
+
+    PROBE_SHARE = 0.02
+
+    def __init__(self, max_k: int, decay: float = 0.95, costs: dict[int, float] | None = None):
         self.max_k, self.decay = max_k, decay
-        self.cost: dict[int, float] = {}  # drafts proposed -> seconds a step (moving average)
+        self.cost = {} if costs is None else costs  # drafts proposed -> seconds a step (moving average)
         # Drafts kept and drafts judged (the first rejection ends a step's
         # judging), discounted by `decay` a step. The chance that a draft is
         # kept is taken as (kept + 1) / (judged + 1): hopeful while little is
         # known, the measured fraction once much is.
         self.judged = self.kept_count = 0.0
-        self.until_probe, self.interval = 0, 16
-        self.probing = False  # whether the step chosen last is a probe
+        self.since_probe, self.wait, self.interval = 0, 0, 16  # plain steps since a failed probe; its wait
+        self.probing = True  # whether the step chosen last is a probe (the run's first step is)
         self.run = 1  # plain steps to take where choose() gave 0
 
     @property
@@ -176,12 +187,15 @@ class DraftPolicy:
     def step_cost(self, k: int) -> float:
         if k in self.cost:
             return self.cost[k]
-        below = max((j for j in self.cost if j < k), default=None)
+        below = sorted(j for j in self.cost if j < k)[-2:]
         above = min((j for j in self.cost if j > k), default=None)
-        if below is None or above is None:  # (outside the tried range: the nearest one)
-            return self.cost[above if below is None else below]
-        w = (k - below) / (above - below)
-        return (1 - w) * self.cost[below] + w * self.cost[above]
+        if above is None:  # past the largest tried: on from the two largest, never cheaper
+            if len(below) < 2:
+                return self.cost[below[-1]]
+            (j0, c0), (j1, c1) = ((j, self.cost[j]) for j in below)
+            return c1 + max(c1 - c0, 0.0) / (j1 - j0) * (k - j1)
+        w = (k - below[-1]) / (above - below[-1])
+        return (1 - w) * self.cost[below[-1]] + w * self.cost[above]
 
     def choose(self, room: int) -> int:
         """Drafts to propose now (at most room, the tokens still wanted after this one)."""
@@ -189,21 +203,26 @@ class DraftPolicy:
         top = min(self.max_k, room)
         if top == 0:
             return 0
-        if top not in self.cost or 0 not in self.cost:  # measure both ends first
-            return top if top not in self.cost else 0
+        if self.judged == 0 and self.probing:  # the run's first step
+            return 1
+        if 0 not in self.cost:
+            return 0
         best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
         if best == 0:
-            if self.until_probe <= 0:
+            wait = self.wait
+            if wait and 1 in self.cost:  # (a probe costs this many plain steps more than one)
+                wait = max(wait, int((self.cost[1] / self.cost[0] - 1) / self.PROBE_SHARE) + 1)
+            if self.since_probe >= wait:
                 self.probing = True
                 return 1
-            self.run = self.until_probe
+            self.run = wait - self.since_probe
         return best
 
     def plain_steps(self) -> int:
         """Where choose() gave 0: the plain steps to take before asking again
-        (until the next probe; one while the costs are first measured), run
-        as plain decoding runs them, each queued before the token it follows
-        is read."""
+        (until the next probe; one while a plain step's cost is first
+        measured), run as plain decoding runs them, each queued before the
+        token it follows is read."""
         return self.run
 
     def update(self, proposed: int, kept: int, seconds: float, steps: int = 1):
@@ -214,11 +233,12 @@ class DraftPolicy:
         old = self.cost.get(proposed)
         self.cost[proposed] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if not proposed:
-            self.until_probe -= steps
+            self.since_probe += steps
             return
         self.kept_count = self.decay * self.kept_count + kept
         self.judged = self.decay * self.judged + kept + (kept < proposed)
-        if self.probing:  # wait longer before the next probe if nothing was kept
-            self.probing = False
-            self.interval = 16 if kept else min(2 * self.interval, 256)
-            self.until_probe = self.interval
+        if kept:
+            self.interval = 16
+        elif self.probing:  # wait longer before the next probe
+            self.since_probe, self.wait, self.interval = 0, self.interval, min(2 * self.interval, 256)
+        self.probing = False
