@@ -42,6 +42,8 @@ class ModelArgs:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
+    # Phi-4-mini: RoPE on the first partial_rotary_factor of each head's dims (see rotary_first)
+    partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
@@ -95,6 +97,11 @@ class ModelArgs:
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_hidden_layers} layers")
+        rotated = self.head_dim * self.partial_rotary_factor
+        if not (0 < rotated <= self.head_dim and rotated == int(rotated) and rotated % 2 == 0
+                and (self.head_dim - rotated) % 2 == 0):
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} rotates {rotated:g} of "
+                             f"head_dim={self.head_dim} dims (an even count, leaving an even count, is needed)")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
 
@@ -163,11 +170,29 @@ def rope_attention_factor(args: ModelArgs) -> float:
     return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
+def rotary_first(args: ModelArgs) -> torch.Tensor | None:
+    """The order in which a head's dims are stored where RoPE turns only some
+    of them (partial_rotary_factor < 1), or None. RoPE's pairs are then
+    (i, i + r/2) for i < r/2 of the first r dims, the rest untouched; stored
+    as [rotated first half, untouched first half, rotated second half,
+    untouched second half], the pairs become (i, i + head_dim/2) as for a
+    whole head, whose rotation past r/2 is the identity (rope_tables). So
+    one RoPE serves both, kernels included. The checkpoint readers put q's
+    and k's rows (and their norms) in this order; attention scores are the
+    same, since q and k are reordered alike."""
+    d, r = args.head_dim, round(args.head_dim * args.partial_rotary_factor)
+    if r == d:
+        return None
+    return torch.cat([torch.arange(0, r // 2), torch.arange(r, r + (d - r) // 2),
+                      torch.arange(r // 2, r), torch.arange(r + (d - r) // 2, d)])
+
+
 def rope_frequencies(args: ModelArgs, local: bool = False, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), fp32, with the model's scaling applied
-    (local: the sliding layers' base, which Gemma 3 does not scale; long:
-    LongRoPE's factors for a context past the original one)."""
-    dim = args.head_dim
+    """Inverse frequencies (r/2,) of the r dims RoPE turns (head_dim, or its
+    partial_rotary_factor), fp32, with the model's scaling applied (local:
+    the sliding layers' base, which Gemma 3 does not scale; long: LongRoPE's
+    factors for a context past the original one)."""
+    dim = round(args.head_dim * args.partial_rotary_factor)
     theta = args.rope_local_base_freq if local else args.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = {} if local else args.rope_scaling or {}
@@ -576,9 +601,11 @@ def rope_tables(args: ModelArgs, length: int, device=None) -> dict[bool, tuple[t
     long = length > (args.rope_scaling or {}).get("original_max_position_embeddings", length)
     tables = {}
     for local in (False, True) if args.rope_local_base_freq is not None else (False,):
-        angles = torch.outer(t, rope_frequencies(args, local, long))  # (S, D/2)
+        angles = torch.outer(t, rope_frequencies(args, local, long))  # (S, r/2)
         scale = 1.0 if local else rope_attention_factor(args)
-        tables[local] = ((angles.cos() * scale).to(device), (angles.sin() * scale).to(device))
+        untouched = (length, args.head_dim // 2 - angles.shape[1])  # (partial rotary: the identity, unscaled)
+        tables[local] = (torch.cat([angles.cos() * scale, torch.ones(untouched)], 1).to(device),
+                         torch.cat([angles.sin() * scale, torch.zeros(untouched)], 1).to(device))
     return tables
 
 

@@ -52,6 +52,10 @@ PRESETS: dict[str, dict] = {
     "phi-4": dict(vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
                   num_attention_heads=40, num_key_value_heads=10, rope_theta=250000.0,
                   max_position_embeddings=16384),
+    # (its LongRoPE factors left out: they change RoPE's values, not the step's work)
+    "phi-4-mini": dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+                       tie_word_embeddings=True, max_position_embeddings=131072),
     "smollm3-3b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008,
                        num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
                        rms_norm_eps=1e-6, rope_theta=5000000.0, tie_word_embeddings=True,

@@ -74,6 +74,8 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
             per_layer.pop(key)
         per_layer.update({"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"})
         scaling = c.rope_parameters
+        head_dim = c.hidden_size // c.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * scaling.get("partial_rotary_factor", 1.0)))
         w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
         for kind in ("long", "short"):
             sd[f"rope_factors_{kind}"] = np.array(scaling[f"{kind}_factor"], dtype=np.float32)
@@ -251,6 +253,28 @@ def test_phi3_gguf_with_longrope_matches_transformers_logits(tmp_path):
     ckpt = load(str(tmp_path / "phi3.gguf"), dtype=torch.float32)
     assert ckpt.args.rope_scaling["rope_type"] == "longrope"
     assert_logits_match(ckpt, model, tokens=20, cache=64)  # (within the original context: the short factors)
+
+
+def test_phi4_mini_gguf_with_partial_rotary_matches_transformers_logits(tmp_path):
+    """Phi-4-mini's RoPE on the first 3/4 of each head's dims (rope.dimension_count
+    12 of 16), LongRoPE, a tied output layer: logits equal transformers' to 1e-4,
+    from the GGUF and from the native folder `brisk convert` writes of it (which
+    keeps q's and k's dims in the order the model turns them)."""
+    from brisklm.checkpoints.native import save_native
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**{**CONFIG, "max_position_embeddings": 256}, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2, tie_word_embeddings=True, original_max_position_embeddings=64,
+                                     partial_rotary_factor=0.75,
+                                     rope_scaling={"rope_type": "longrope",
+                                                   "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+                                                   "long_factor": [1.0, 3.0, 6.0, 12.0, 24.0, 32.0]})
+    model = transformers.Phi3ForCausalLM(config).eval()
+    write_gguf(model, tmp_path / "phi4mini.gguf", arch="phi3", tied=True)
+    ckpt = load(str(tmp_path / "phi4mini.gguf"), dtype=torch.float32)
+    assert ckpt.args.partial_rotary_factor == 0.75
+    assert_logits_match(ckpt, model, tokens=20, cache=64)
+    save_native(str(tmp_path / "native"), ckpt.args, ckpt.state_dict, ckpt.tokenizer)
+    assert_logits_match(load(str(tmp_path / "native"), dtype=torch.float32), model, tokens=20, cache=64)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3moe"], ids=["mixtral", "qwen3moe"])

@@ -334,12 +334,14 @@ from brisklm.model import ModelArgs, build_model, random_state_dict
 # SmolLM3: a layer without RoPE takes the identity rotation. Gemma 3's shape:
 # a sliding layer (own RoPE base) and a global one, norms as (1 + w) that stay
 # in front of the Linear, GeGLU, scaled embeddings, q/k norms before the
-# kernel and its own query scale. Qwen3: q/k norms.
+# kernel and its own query scale. Qwen3: q/k norms. Partial rotary: RoPE's
+# tables padded with the identity.
 torch.manual_seed(0)
 GEMMA = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"], rope_local_base_freq=1e4,
              rope_theta=1e6, hidden_act="gelu_pytorch_tanh", embed_scale=11.3, norm_offset=1.0, sandwich_norms=True,
              qk_norm=True, query_pre_attn_scalar=24)
-for no_rope, extra in ((None, {}), ([1, 0], {}), (None, GEMMA), (None, dict(qk_norm=True))):
+for no_rope, extra in ((None, {}), ([1, 0], {}), (None, GEMMA), (None, dict(qk_norm=True)),
+                       (None, dict(partial_rotary_factor=0.5))):  # (Phi-4-mini: RoPE on part of a head)
     args = ModelArgs(vocab_size=61, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, no_rope_layers=no_rope, **extra)  # head_dim 32
     state = random_state_dict(args, torch.float32, std=0.1)

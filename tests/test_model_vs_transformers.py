@@ -65,6 +65,13 @@ CASES = {
                            original_max_position_embeddings=64,
                            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
                                          "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]})),
+    "phi3-partial-rotary-longrope": ("Phi3Config", "Phi3ForCausalLM",  # Phi-4-mini: RoPE on 12 of 16 dims
+                                     dict(BASE, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                                          eos_token_id=2, tie_word_embeddings=True, max_position_embeddings=256,
+                                          original_max_position_embeddings=64, partial_rotary_factor=0.75,
+                                          rope_scaling={"rope_type": "longrope",
+                                                        "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
+                                                        "long_factor": [1.0, 3.0, 6.0, 12.0, 24.0, 32.0]})),
     "mixtral-4-experts-top2": ("MixtralConfig", "MixtralForCausalLM",  # the router's weights renormalized
                                dict(BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                     rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
@@ -110,7 +117,7 @@ def test_logits_match_transformers(tmp_path, case):
 
 def test_a_rope_scaling_or_partial_rotary_not_supported_is_one_line_naming_it(tmp_path):
     from brisklm.errors import BriskError
-    for case, change, word in (("phi3-fused-qkv-and-gate-up", {"partial_rotary_factor": 0.75}, "partial_rotary"),
+    for case, change, word in (("phi3-fused-qkv-and-gate-up", {"partial_rotary_factor": 0.3}, "partial_rotary"),
                                ("llama-mha-tied", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn")):
         make_folder(tmp_path, case)
         config = json.loads((tmp_path / "config.json").read_text())
@@ -166,7 +173,8 @@ def greedy_reference(ref, prompt, steps):
 
 @pytest.mark.parametrize("case", ["gemma3-sliding-and-global-layers", "qwen3-qk-norm-headdim",
                                   "smollm3-a-layer-without-rope", "phi3-fused-qkv-and-gate-up",
-                                  "mixtral-4-experts-top2", "qwen3-moe-not-renormalized"])
+                                  "phi3-partial-rotary-longrope", "mixtral-4-experts-top2",
+                                  "qwen3-moe-not-renormalized"])
 def test_greedy_tokens_over_32_steps_equal_transformers(tmp_path, case):
     from brisklm.generate import Generator
     from brisklm.sampling import SamplingParams

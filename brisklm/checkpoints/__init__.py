@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import BriskError
-from ..model import ModelArgs
+from ..model import ModelArgs, rotary_first
 from ..tokenizer import Tokenizer
 
 
@@ -188,6 +188,11 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
                           for p in experts["w13.weight"]})
     state = {}
     put = (lambda name, t: state.update(transform(args, name, t))) if transform else state.__setitem__
+    if rotary_first(args) is not None:  # partial rotary: q's and k's dims as the model's RoPE turns them
+        put_as_read = put
+
+        def put(name, t):
+            put_as_read(name, rotary_rows(args, name, t))
     for name, shape in tracked(shapes.items(), progress):
         if name in skip:  # provided otherwise (e.g. kept quantized)
             continue
@@ -218,6 +223,23 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
                 put(name, torch.cat([fetch(prefix + part, (n,) + tuple(shape[1:]))
                                      for part, n in zip(HF_FUSED[local], rows)]))
     return state
+
+
+def rotary_rows(args: ModelArgs, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The canonical tensor `name` (rows first: a weight, its bias, its
+    quantized codes and scales) with each q and k head's rows in
+    model.rotary_first's order, where RoPE turns only some of a head's dims."""
+    order = rotary_first(args)
+    if order is None:
+        return t
+    order, d = order.to(t.device), args.head_dim
+    if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return t[order]
+    if not name.endswith(("attention.wqkv.weight", "attention.wqkv.bias")):
+        return t
+    heads = args.num_attention_heads + args.num_key_value_heads
+    qk = t[:heads * d].unflatten(0, (heads, d))[:, order]
+    return torch.cat([qk.flatten(0, 1), t[heads * d:]])
 
 
 def hf_parts(name: str) -> list[str]:

@@ -136,9 +136,8 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
     if arch == "smollm3":  # (llama.cpp fixes it: every fourth layer without RoPE)
         args["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(args["num_hidden_layers"])]
     rotated = get("rope.dimension_count", args["head_dim"], required=False)
-    if rotated != args["head_dim"]:
-        raise BriskError(f"{path}: RoPE on {rotated} of {args['head_dim']} head dimensions (partial rotary) "
-                         f"is not supported yet")
+    if rotated != args["head_dim"]:  # (Phi-4-mini: RoPE on the first `rotated` dims of each head)
+        args["partial_rotary_factor"] = rotated / args["head_dim"]
     if experts:  # (llama.cpp renormalizes the chosen experts' weights unless the file says not to)
         args.update(num_local_experts=experts, num_experts_per_tok=get("expert_used_count"),
                     moe_intermediate_size=get("expert_feed_forward_length", required=False),
@@ -328,7 +327,7 @@ def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=None) 
     output layer only ("output"). A tied output layer kept so brings the
     embedding's entries too: the same codes, read by an int8 embedding."""
     from ..quantize import pack_int4, quantized_linear_names
-    from . import hf_parts
+    from . import hf_parts, rotary_rows
     kept = {}
     for name in quantized_linear_names(args):
         if ".experts." in name:  # (stacked in the file: dequantized, then quantized as asked)
@@ -351,7 +350,7 @@ def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=None) 
             if heads:  # undo llama.cpp's q/k row order, as for dense weights
                 arrays = tuple(unpermute_qk(t, heads) for t in arrays)
             pieces.append(arrays)
-        joined = [torch.cat(ts).to(device) for ts in zip(*pieces)]
+        joined = [rotary_rows(args, name, torch.cat(ts).to(device)) for ts in zip(*pieces)]
         if read is int4_from_blocks:
             kept[name] = {"int4": pack_int4(joined[0]), "scale": joined[1], "zero": joined[2]}
         else:

@@ -53,9 +53,7 @@ def read_config(folder: str) -> ModelArgs:
     if kind not in ("default", "linear", "llama3", "longrope", "su"):
         raise BriskError(f"{path}: rope scaling {kind!r} is not supported yet (default, linear, llama3, "
                          f"longrope are)")
-    partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise BriskError(f"{path}: partial_rotary_factor {partial} is not supported yet (RoPE on whole heads only)")
+    config["partial_rotary_factor"] = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     try:
         return ModelArgs.from_dict(config)
     except (TypeError, ValueError, KeyError) as e:
