@@ -7,7 +7,9 @@ then one dense matmul), at the Llama-3.1-8B shapes.
 Each weight is one of several copies used in turn, so that no timed read
 hits in L2. Prints, per format and token count, the microseconds for one
 layer's four matrices and the output layer, and the bytes of codes read per
-second as a fraction of the read ceiling measured in the same run.
+second as a fraction of the read ceiling measured in the same run. The
+int4-g128-int8x rows are matmul.int4_int8_matmul (x as int8 on the integer
+tensor cores) at a few blocks, not yet a route of the engine's.
 """
 from __future__ import annotations
 
@@ -17,16 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from brisklm.bench import read_ceiling_gb_s
-from brisklm.kernels.matmul import few_rows_matmul
+from brisklm.kernels.matmul import few_rows_matmul, int4_int8_matmul
 from brisklm.quantize import dequantize, quantize_fp8, quantize_int4, quantize_int8
 
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336),
           "output": (128256, 4096)}
 
 
+# int4 g128 with x as int8 on the integer tensor cores (matmul.int4_int8_matmul), by (BLOCK_N, warps)
+INT8X = {f"int4-g128-int8x-{bn}x{warps}": (bn, warps) for bn, warps in ((64, 4), (128, 4), (128, 8))}
+
+
 def formats(w):
     q8 = quantize_int8(w, 32)
-    return {"int8": quantize_int8(w), "int4-g128": quantize_int4(w, 128, torch.bfloat16),
+    int4 = quantize_int4(w, 128, torch.bfloat16)
+    return {"int8": quantize_int8(w), "int4-g128": int4, **{f: int4 for f in INT8X},
             "q8_0": {"int8": q8["int8"], "scale": q8["scale"].half()}, "fp8": quantize_fp8(w)}
 
 
@@ -39,6 +46,9 @@ def kernel_and_widened(name, parts):
         def widened(x):
             codes = torch.stack([p >> 4, p & 15], -1).reshape(p.shape[0], -1, g)
             return F.linear(x, ((codes.to(x.dtype) - 8) * s[..., None] + z[..., None]).flatten(1))
+        if name in INT8X:
+            bn, warps = INT8X[name]
+            return (lambda x: int4_int8_matmul(x, p, s, z, block_n=bn, warps=warps)), widened
         return (lambda x: few_rows_matmul(x, p, s, z)), widened
     if name == "q8_0":
         q, s = parts["int8"], parts["scale"]
@@ -156,7 +166,7 @@ def main():
     tokens = [int(t) for t in opts.tokens.split(",")]
     worst = {}
     rows = []
-    for fmt in ("int8", "int4-g128", "q8_0", "fp8"):
+    for fmt in ("int8", "int4-g128", *INT8X, "q8_0", "fp8"):
         total = {m: [0.0, 0.0] for m in tokens}
         code_bytes = 0
         for name, (n, k) in SHAPES.items():
@@ -185,7 +195,7 @@ def main():
     print("| --- | --- | --- | --- | --- | --- |")
     for fmt, m, few, wide, frac in rows:
         print(f"| {fmt} | {m} | {few:.0f} | {wide:.0f} | {wide / few:.1f}x | {frac:.2f} |")
-    assert all(e < 1e-2 for e in worst.values()), worst  # bf16 weights in the dot: ~3e-3
+    assert all(e < 1e-2 for e in worst.values()), worst  # bf16 weights in the dot: ~3e-3; int8 x: ~6e-3
 
 
 if __name__ == "__main__":

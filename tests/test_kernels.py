@@ -192,6 +192,36 @@ print("worst relative error", worst)
 """
 
 
+INT4_INT8_CHILD = r"""
+import torch
+from brisklm.kernels.matmul import int4_int8_matmul, int8_rows
+from brisklm.quantize import dequantize, quantize_int4
+torch.manual_seed(0)
+# (N, K, tokens, group): a ragged N, groups of 64 and 128, one block of rows and more
+for n, k, m, g in ((96, 256, 5, 128), (37, 512, 17, 64), (200, 384, 3, 128)):
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(m, k).to(torch.bfloat16)
+    q = quantize_int4(w, g, torch.bfloat16)
+    s, z = q["scale"].bfloat16(), q["zero"].bfloat16()
+    y = int4_int8_matmul(x, q["int4"], s, z, block_n=32, programs=8)
+    even, odd, scale, sums = int8_rows(x, g)
+    codes = torch.stack([even, odd], -1).reshape(m, k)
+    assert torch.equal(sums, codes.view(m, -1, g).double().sum(-1).float())
+    wd = dequantize({"int4": q["int4"], "scale": s, "zero": z})[:, :k].double()
+    exact = (codes.double() * scale.double().repeat_interleave(g, 1)) @ wd.t()  # x as the kernel reads it
+    err = ((y.double() - exact).norm() / exact.norm()).item()
+    assert err < 1e-6, (n, k, m, g, err)
+    ref = x.double() @ wd.t()
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2  # (x's int8 rounding: ~6e-3)
+print("int4 int8 ok")
+"""
+
+
+@pytest.mark.slow
+def test_int4_codes_times_int8_rows_match_fp64():
+    assert "int4 int8 ok" in run_interpreted(INT4_INT8_CHILD)
+
+
 def run_interpreted(code: str) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

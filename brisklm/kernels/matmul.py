@@ -87,6 +87,76 @@ if triton is not None:
         tl.store(out, tl.trans(acc) if SWAP else acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _int4_int8_kernel(xe_ptr, xo_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K,
+                          GROUPS_PER_SPLIT, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """int4 codes times int8 rows of x on the integer tensor cores, a group
+        at a time: sum_k x_k w_k over a group = xs (s (sum_k xq_k q_k - 8
+        sum_k xq_k) + z sum_k xq_k), with x = xs xq (a scale per row and group)
+        and w = (q - 8) s + z. The codes go to the dot as they are, unpacked
+        to int8 (the high nibbles hold x's even columns, the low ones its
+        odd: xe and xo); only the per-group sums are scaled in fp32."""
+        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < M, cols < N
+        groups = K // GROUP
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        g_first = split * GROUPS_PER_SPLIT
+        for g in range(g_first, g_first + GROUPS_PER_SPLIT):
+            half = g * (GROUP // 2) + tl.arange(0, GROUP // 2)
+            pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :], mask=col_ok[:, None], other=0,
+                            eviction_policy="evict_first")
+            xe = tl.load(xe_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0)
+            xo = tl.load(xo_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0)
+            dots = tl.dot(xe, tl.trans((pairs >> 4).to(tl.int8)), out_dtype=tl.int32)
+            dots = tl.dot(xo, tl.trans((pairs & 15).to(tl.int8)), dots, out_dtype=tl.int32)
+            scale = tl.load(s_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
+            x_scale = tl.load(xs_ptr + rows * groups + g, mask=row_ok, other=0.0)
+            x_sum = tl.load(xsum_ptr + rows * groups + g, mask=row_ok, other=0.0)
+            sums = scale[None, :] * (dots.to(tl.float32) - 8.0 * x_sum[:, None]) + zero[None, :] * x_sum[:, None]
+            acc += x_scale[:, None] * sums
+        out = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def int8_rows(x: torch.Tensor, group: int):
+    """x (M, K) as int8 codes with a scale per row and group of `group`
+    inputs: (even columns, odd columns) (M, K/2) int8, the scales and the
+    codes' sums (M, K/group) fp32."""
+    m, k = x.shape
+    xg = x.float().view(m, k // group, group)
+    scale = xg.abs().amax(-1).clamp_min(1e-8) / 127
+    codes = torch.round(xg / scale[..., None])
+    sums = codes.sum(-1)
+    codes = codes.to(torch.int8).view(m, k)
+    return codes[:, 0::2].contiguous(), codes[:, 1::2].contiguous(), scale, sums
+
+
+def int4_int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                     block_m: int = 16, block_n: int = 64, programs: int = 528, warps: int = 4,
+                     stages: int = 3) -> torch.Tensor:
+    """(M, N) fp32: x (M, K) times int4 codes (N, K/2) with scale and zero (N,
+    K/G), x quantized to int8 per row and group (int8_rows), on the integer
+    tensor cores (_int4_int8_kernel; groups of 64 inputs or more)."""
+    m, k = x.shape
+    n, groups = packed.shape[0], scale.shape[1]
+    group = k // groups
+    if 2 * packed.shape[1] != k or group < 64:
+        raise ValueError(f"int4 codes of {2 * packed.shape[1]} inputs in groups of {group} for x of {k}")
+    xe, xo, xs, xsum = int8_rows(x, group)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    split = max(1, min(groups // 2, programs // tiles))
+    while groups % split:
+        split -= 1
+    out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    _int4_int8_kernel[grid](xe, xo, xs, xsum, packed, scale, zero, out, m, n, k, groups // split,
+                            GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return out.sum(0)
+
+
 def supported(x: torch.Tensor) -> bool:
     """Whether x (..., K), several tokens, goes through these kernels."""
     rows = x.numel() // x.shape[-1]
