@@ -331,7 +331,7 @@ class Generator:
                     if value in stop:
                         break
             if policy:
-                policy.update(len(drafts), len(emitted) - 1 if drafts else 0, time.perf_counter() - t_step,
+                policy.update(len(drafts), len(emitted) - 1 if drafts else 0, self._agreed(time.perf_counter() - t_step),
                               steps=steps)
             stats.target_steps += steps
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
@@ -344,6 +344,17 @@ class Generator:
                 if value in stop:
                     self.cached = history[:-1]
                     return
+
+    def _agreed(self, seconds: float) -> float:
+        """A step's time as every tensor-parallel rank takes it (the slowest
+        rank's): the draft policy must choose the same drafts on every rank,
+        whose steps meet in the same collectives."""
+        group = self.model.tensor_parallel
+        if group is None:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX, group=group)
+        return t.item()
 
     def _run(self, token: torch.Tensor, pos: int, steps: int, params: SamplingParams) -> Iterator[int]:
         """Yield token (1,) (on the device, at position pos) and the `steps`

@@ -5,6 +5,8 @@
 For every case of CASES: this rank's share of the seeded random weights
 (quantized whole, then sliced, as api.load does), prompt logits, 12 greedy
 tokens and the bytes of the rank's weights; rank 0 writes them all to OUT.json.
+The dense case also decodes speculatively (prompt lookup, the first layer as
+a draft), which must give its plain tokens.
 Run with N = 1 (no torchrun needed) it gives the single-process reference."""
 import json
 import os
@@ -17,6 +19,7 @@ from brisklm.generate import Generator
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.quantize import quantizer
 from brisklm.sampling import SamplingParams
+from brisklm.speculative import ModelDrafter, NgramDrafter
 from brisklm import tp
 
 DENSE = dict(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
@@ -56,7 +59,14 @@ def main():
         model.setup_caches(1, 64)
         with torch.no_grad():
             logits = model(ids, torch.arange(6), kv_len=6)[0, -3:]
-        tokens = list(Generator(model, 64, compile=compiled).tokens([3, 14, 15, 9, 26, 5], 12, SamplingParams()))
+        gen = Generator(model, 64, compile=compiled)
+        tokens = list(gen.tokens([3, 14, 15, 9, 26, 5], 12, SamplingParams()))
+        if case == "dense" and not compiled:  # speculative, the policy adapting: the same drafts on every rank
+            prompt = [3, 14, 15, 9, 26, 5] * 3
+            plain = list(gen.tokens(prompt, 16, SamplingParams()))
+            for drafter in (NgramDrafter(), ModelDrafter(model, depth=1)):
+                spec = list(gen.tokens(prompt, 16, SamplingParams(), drafter=drafter, draft_tokens=3))
+                assert spec == plain, (type(drafter).__name__, spec, plain)
         sizes = [weight_bytes(model)]
         if world > 1:
             sizes = [None] * world
