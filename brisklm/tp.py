@@ -4,7 +4,8 @@ of every layer's weights (Megatron-LM's split, Shoeybi et al. 2019).
 Each rank builds an ordinary, narrower model: its share of the attention
 heads and of the MLP's (and each expert's) intermediate units, from the
 checkpoint's tensors sliced as they are read (`sharder`, a reader transform:
-no process ever holds the whole model). Then `parallelize` adds the one
+no process ever holds the whole model; from safetensors, a split tensor's
+share is all a rank reads of it). Then `parallelize` adds the one
 communication the split needs: the outputs of the row-parallel matrices
 (wo, and w2 or the MoE sum) are partial sums, all-reduced once per block half
 through functional collectives, which torch.compile captures in the step's
@@ -82,10 +83,25 @@ def shard_entry(args: ModelArgs, name: str, t: torch.Tensor, rank: int, world: i
 
 def sharder(rank: int, world: int, inner=None):
     """A reader transform (checkpoints.load's): each tensor as read, through
-    `inner` (e.g. the quantizer) first, then sliced to this rank's share."""
-    def transform(args, name, tensor):
+    `inner` (e.g. the quantizer) first, then sliced to this rank's share.
+
+    `transform.share(name)` tells a reader that can read part of a tensor
+    (safetensors) which share to read of each of its parts, (dim, rank,
+    world), and the reader passes that share with local=True. A column
+    split's rows are independent, so they are read in part under any
+    per-row or per-group quantizer; a row split's inputs only unquantized
+    (an int8 row's scale is the whole row's)."""
+    def transform(args, name, tensor, local=False):
         entries = inner(args, name, tensor) if inner else {name: tensor}
-        return {n: shard_entry(args, n, t, rank, world) for n, t in entries.items()}
+        return entries if local else {n: shard_entry(args, n, t, rank, world) for n, t in entries.items()}
+
+    def share(name):
+        how = _split(name)[1]
+        if how == "column" or (how == "row" and inner is None):
+            return (0 if how == "column" else 1), rank, world
+        return None
+
+    transform.share = share
     return transform
 
 

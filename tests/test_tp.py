@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(ROOT, "tests", "tp_child.py")
@@ -78,3 +79,73 @@ def test_a_world_size_that_does_not_divide_the_heads_is_one_line_before_launchin
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == ("error: tiny-moe: num_attention_heads=4 does not divide by the "
                                    "tensor-parallel world size 3")
+
+
+LOAD_CHILD = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+import brisklm
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    dist.init_process_group("gloo")  # (as brisk's CLI does under torchrun)
+from brisklm.checkpoints import hf
+whole = []  # the tensors read whole (the rest: each rank's share, read as such)
+read = hf._TensorFiles.get
+hf._TensorFiles.get = lambda self, name: whole.append(name) or read(self, name)
+out, folder, quantize = sys.argv[1:4]
+llm = brisklm.load(folder, device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
+ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+llm.model.setup_caches(1, 32)
+with torch.no_grad():
+    logits = llm.model(ids, torch.arange(6), kv_len=6)[0]
+tokens = list(llm.generator.tokens([3, 14, 15, 9, 26, 5], 8, brisklm.sampling.SamplingParams()))
+world = dist.get_world_size() if dist.is_initialized() else 1
+assert llm.model.layers[0].attention.n_heads == 4 // world  # (this rank's heads only)
+if world == 1 or dist.get_rank() == 0:
+    json.dump({"logits": logits.tolist(), "tokens": tokens, "whole": whole}, open(out, "w"))
+if world > 1:
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,quantize", [("llama", "none"), ("mixtral", "none"), ("phi4mini", "none"),
+                                           ("llama", "int8")])
+def test_each_rank_reads_only_its_share_of_a_safetensors_folder(tmp_path, case, quantize):
+    """Under torchrun, api.load reads each split tensor's share from the
+    safetensors files (safe_open's slices), not the whole tensor; the model
+    gives the single process's logits and tokens. Unquantized, every split
+    tensor is read in part; quantized to int8 as it loads, the row-split ones
+    (o_proj, down_proj) are read whole, since a row's int8 scale needs the row."""
+    import transformers
+    base = dict(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    config = {"llama": lambda: transformers.LlamaConfig(**base, attention_bias=True),
+              "mixtral": lambda: transformers.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2),
+              "phi4mini": lambda: transformers.Phi3Config(**base, partial_rotary_factor=0.5, pad_token_id=0)}[case]()
+    torch.manual_seed(0)
+    model = getattr(transformers, {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                                   "phi4mini": "Phi3ForCausalLM"}[case])(config)
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "child.py").write_text(LOAD_CHILD)
+    results = []
+    for world in (1, 2):
+        out = tmp_path / f"out{world}.json"
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+                    if world > 1 else [sys.executable])
+        done = subprocess.run(launcher + [str(tmp_path / "child.py"), str(out), str(tmp_path / "model"), quantize],
+                              env=ENV, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(out.read_text()))
+    alone, split = results
+    diff = max(abs(a - b) for ra, rb in zip(alone["logits"], split["logits"]) for a, b in zip(ra, rb))
+    assert diff <= 1e-5 and split["tokens"] == alone["tokens"], diff
+    parts = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", ".w1.", ".w2.", ".w3.")
+    whole = {n for n in split["whole"] if any(p in n for p in parts)}
+    if quantize == "none" and case != "phi4mini":
+        assert not whole, sorted(whole)
+    elif case == "phi4mini":  # (q, k, v stored fused in one tensor, gate and up too: read whole)
+        assert whole == {f"model.layers.{i}.{p}.weight" for i in range(2)
+                         for p in ("self_attn.qkv_proj", "mlp.gate_up_proj")}, sorted(whole)
+    else:
+        assert whole and all("o_proj" in n or "down_proj" in n for n in whole), sorted(whole)

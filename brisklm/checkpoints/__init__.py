@@ -156,22 +156,30 @@ def tracked(items, progress):
 
 
 def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
-                           file_name=lambda name: name, progress=None, skip=(), transform=None):
+                           file_name=lambda name: name, progress=None, skip=(), transform=None,
+                           get_share=None):
     """Canonical state dict from a getter of Hugging Face-named tensors.
 
     Tensors are converted one at a time, and each goes through transform (see
     load) before the next is read, so peak memory is the result plus one
     tensor, never a second full copy. file_name maps a Hugging Face name to
-    the name the file uses, for error messages."""
+    the name the file uses, for error messages.
 
-    def fetch(name, shape=None):
+    get_share(name, dim, rank, world) -> (full shape, rank's block along dim),
+    where the files can be read in part (safetensors): a tensor-parallel
+    reader transform (tp.sharder) that says which share of a tensor it keeps
+    (`transform.share(name)`) then gets only that share, read as such."""
+
+    def fetch(name, shape=None, share=None):
         if not has(name):
             raise BriskError(f"{where}: missing tensor {file_name(name)!r}")
-        t = get(name)
-        if shape is not None and tuple(t.shape) != shape:
-            raise BriskError(f"{where}: tensor {file_name(name)!r} has shape {tuple(t.shape)}, "
-                             f"expected {shape}")
+        full, t = get_share(name, *share) if share else (None, get(name))
+        full = tuple(full or t.shape)  # (a share is checked by the whole tensor's shape)
+        if shape is not None and full != shape:
+            raise BriskError(f"{where}: tensor {file_name(name)!r} has shape {full}, expected {shape}")
         return t.to(device=device, dtype=dtype)
+
+    share_of = getattr(transform, "share", None) if get_share else None
 
     from ..model import canonical_names
     shapes = canonical_names(args)
@@ -187,12 +195,13 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
         part_rows.update({p.rsplit(".", 1)[0]: a.moe_intermediate_size or a.intermediate_size
                           for p in experts["w13.weight"]})
     state = {}
-    put = (lambda name, t: state.update(transform(args, name, t))) if transform else state.__setitem__
-    if rotary_first(args) is not None:  # partial rotary: q's and k's dims as the model's RoPE turns them
-        put_as_read = put
 
-        def put(name, t):
-            put_as_read(name, rotary_rows(args, name, t))
+    def put(name, t, share=None):  # (share: t is already that share of the canonical tensor)
+        t = rotary_rows(args, name, t, share[2] if share else 1)
+        if transform is None:
+            state[name] = t
+        else:
+            state.update(transform(args, name, t, local=True) if share else transform(args, name, t))
     for name, shape in tracked(shapes.items(), progress):
         if name in skip:  # provided otherwise (e.g. kept quantized)
             continue
@@ -212,23 +221,27 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
                 e, part = local.split(".", 3)[2:]
                 prefix, names = f"{prefix}{experts['experts']}{e}.", experts[part]
                 rows = [part_rows[n.rsplit(".", 1)[0]] for n in names] if len(names) > 1 else [shape[0]]
-                put(name, torch.cat([fetch(prefix + n, (r,) + tuple(shape[1:])) for n, r in zip(names, rows)]))
+                share = share_of(name) if share_of else None
+                put(name, torch.cat([fetch(prefix + n, (r,) + tuple(shape[1:]), share)
+                                     for n, r in zip(names, rows)]), share)
                 continue
+            share = share_of(name) if share_of else None  # (dim, rank, world) of each part, or None
             if local in layer_names:
-                put(name, fetch(prefix + layer_names[local], shape))
+                put(name, fetch(prefix + layer_names[local], shape, share), share)
             elif local in HF_STORED_FUSED and has(prefix + HF_STORED_FUSED[local]):
-                put(name, fetch(prefix + HF_STORED_FUSED[local], shape))
+                put(name, fetch(prefix + HF_STORED_FUSED[local], shape))  # (q, k, v in one: read whole)
             else:
                 rows = [part_rows[part.rsplit(".", 1)[0]] for part in HF_FUSED[local]]
-                put(name, torch.cat([fetch(prefix + part, (n,) + tuple(shape[1:]))
-                                     for part, n in zip(HF_FUSED[local], rows)]))
+                put(name, torch.cat([fetch(prefix + part, (n,) + tuple(shape[1:]), share)
+                                     for part, n in zip(HF_FUSED[local], rows)]), share)
     return state
 
 
-def rotary_rows(args: ModelArgs, name: str, t: torch.Tensor) -> torch.Tensor:
+def rotary_rows(args: ModelArgs, name: str, t: torch.Tensor, world: int = 1) -> torch.Tensor:
     """The canonical tensor `name` (rows first: a weight, its bias, its
-    quantized codes and scales) with each q and k head's rows in
-    model.rotary_first's order, where RoPE turns only some of a head's dims."""
+    quantized codes and scales; or a tensor-parallel rank's share of it, 1/world
+    of the heads) with each q and k head's rows in model.rotary_first's order,
+    where RoPE turns only some of a head's dims."""
     order = rotary_first(args)
     if order is None:
         return t
@@ -237,7 +250,7 @@ def rotary_rows(args: ModelArgs, name: str, t: torch.Tensor) -> torch.Tensor:
         return t[order]
     if not name.endswith(("attention.wqkv.weight", "attention.wqkv.bias")):
         return t
-    heads = args.num_attention_heads + args.num_key_value_heads
+    heads = (args.num_attention_heads + args.num_key_value_heads) // world
     qk = t[:heads * d].unflatten(0, (heads, d))[:, order]
     return torch.cat([qk.flatten(0, 1), t[heads * d:]])
 

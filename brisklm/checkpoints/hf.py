@@ -122,6 +122,28 @@ class _TensorFiles:
     def has(self, name):
         return name in self.index
 
+    def get_share(self, name, dim: int, rank: int, world: int):
+        """(full shape, block `rank` of `world` along dim): only that block read
+        from a safetensors file; from a .bin file, the block of its mapping."""
+        fname = self.index[name]
+        handle = self._open(fname)
+        try:
+            if fname.endswith(".safetensors"):
+                part = handle.get_slice(name)
+                shape = tuple(part.get_shape())
+            else:
+                part = handle[name]
+                shape = tuple(part.shape)
+            size = shape[dim] // world
+            if shape[dim] % world:  # (not the expected shape: the caller's check names it)
+                return shape, None
+            index = tuple(slice(rank * size, (rank + 1) * size) if i == dim else slice(None)
+                          for i in range(len(shape)))
+            return shape, part[index] if fname.endswith(".safetensors") else part[index].clone()
+        except Exception as e:
+            raise BriskError(f"{os.path.join(self.folder, fname)}: cannot read tensor "
+                             f"{name!r} ({e})") from None
+
     def get(self, name):
         fname = self.index[name]
         handle = self._open(fname)
@@ -138,5 +160,5 @@ def load_hf_folder(folder: str, device, dtype, progress=None, transform=None, pl
         plan(args)
     files = _TensorFiles(folder)
     state = assemble_from_hf_names(args, files.get, files.has, device, dtype, folder,
-                                   progress=progress, transform=transform)
+                                   progress=progress, transform=transform, get_share=files.get_share)
     return Checkpoint(args, state, load_hf_tokenizer(folder), folder)
