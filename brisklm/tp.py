@@ -4,8 +4,8 @@ of every layer's weights (Megatron-LM's split, Shoeybi et al. 2019).
 Each rank builds an ordinary, narrower model: its share of the attention
 heads and of the MLP's (and each expert's) intermediate units, from the
 checkpoint's tensors sliced as they are read (`sharder`, a reader transform:
-no process ever holds the whole model; from safetensors, a split tensor's
-share is all a rank reads of it). Then `parallelize` adds the one
+no process ever holds the whole model; from safetensors and GGUF rows, a
+split tensor's share is all a rank reads of it). Then `parallelize` adds the one
 communication the split needs: the outputs of the row-parallel matrices
 (wo, and w2 or the MoE sum) are partial sums, all-reduced once per block half
 through functional collectives, which torch.compile captures in the step's
@@ -86,7 +86,7 @@ def sharder(rank: int, world: int, inner=None):
     `inner` (e.g. the quantizer) first, then sliced to this rank's share.
 
     `transform.share(name)` tells a reader that can read part of a tensor
-    (safetensors) which share to read of each of its parts, (dim, rank,
+    (safetensors, a GGUF file's mapping) which share to read of each of its parts, (dim, rank,
     world), and the reader passes that share with local=True. A column
     split's rows are independent, so they are read in part under any
     per-row or per-group quantizer; a row split's inputs only unquantized

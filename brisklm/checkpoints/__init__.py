@@ -166,7 +166,7 @@ def assemble_from_hf_names(args: ModelArgs, get, has, device, dtype, where: str,
     the name the file uses, for error messages.
 
     get_share(name, dim, rank, world) -> (full shape, rank's block along dim),
-    where the files can be read in part (safetensors): a tensor-parallel
+    where the files can be read in part (safetensors, GGUF): a tensor-parallel
     reader transform (tp.sharder) that says which share of a tensor it keeps
     (`transform.share(name)`) then gets only that share, read as such."""
 

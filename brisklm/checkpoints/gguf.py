@@ -241,28 +241,55 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
                     by_hf[f"model.layers.{i}.block_sparse_moe.experts.{e}.{GGUF_EXPERTS[local]}"] = (name, e)
     widened = {}  # the last stacked experts' tensor, dequantized once for all its experts
 
-    def get(hf_name):
-        name, expert = by_hf[hf_name] if isinstance(by_hf[hf_name], tuple) else (by_hf[hf_name], None)
-        if name in widened:
-            return widened[name][expert].clone()
-        t = tensors[name]
+    def widen(t, data, hf_name=None, world=1):
+        """data (rows of tensor t, or all of it) dequantized to fp32; with
+        hf_name, as our model holds it (1/world of the heads where a share)."""
         try:
-            data = dequantize(t.data, t.tensor_type)
+            data = dequantize(data, t.tensor_type)
         except (NotImplementedError, ValueError) as e:
             raise BriskError(f"{path}: tensor {t.name!r} of type {t.tensor_type.name}: {e}") from None
-        if expert is not None:
-            widened.clear()
-            widened[name] = torch.from_numpy(np.asarray(data, dtype=np.float32))
-            return widened[name][expert].clone()
+        if hf_name is None:
+            return torch.from_numpy(np.asarray(data, dtype=np.float32))
         w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
         if args.norm_offset and hf_name.endswith("norm.weight"):
             w -= args.norm_offset  # (llama.cpp stores Gemma's 1 + w; ours is w, see RMSNorm)
         if ARCHITECTURES[arch]["permuted_qk"]:
             if hf_name.endswith("q_proj.weight"):
-                w = unpermute_qk(w, args.num_attention_heads)
+                w = unpermute_qk(w, args.num_attention_heads // world)
             elif hf_name.endswith("k_proj.weight"):
-                w = unpermute_qk(w, args.num_key_value_heads)
+                w = unpermute_qk(w, args.num_key_value_heads // world)
         return w
+
+    def get(hf_name):
+        name, expert = by_hf[hf_name] if isinstance(by_hf[hf_name], tuple) else (by_hf[hf_name], None)
+        if name in widened:
+            return widened[name][expert].clone()
+        t = tensors[name]
+        if expert is not None:
+            widened.clear()
+            widened[name] = widen(t, t.data)
+            return widened[name][expert].clone()
+        return widen(t, t.data, hf_name)
+
+    def get_share(hf_name, dim, rank, world):
+        """(full shape, block `rank` of `world` along dim): only its rows
+        dequantized (the mapped file's other pages unread); a float tensor's
+        columns likewise; anything else (stacked experts, quantized columns)
+        dequantized whole, then sliced."""
+        entry = by_hf[hf_name]
+        t = None if isinstance(entry, tuple) else tensors[entry]
+        floats = t is not None and t.tensor_type.name in ("F32", "F16", "BF16")
+        if t is None or (dim == 1 and not floats):
+            w = get(hf_name)
+            size = w.shape[dim] // world
+            return tuple(w.shape), w.narrow(dim, rank * size, size)
+        full = tuple(int(n) for n in reversed(t.shape))  # (ggml lists the fastest dim first)
+        size = full[dim] // world
+        if full[dim] % world:  # (not the expected shape: the caller's check names it)
+            return full, None
+        part = slice(rank * size, (rank + 1) * size)
+        data = t.data[part] if dim == 0 else np.ascontiguousarray(t.data[:, part])
+        return full, widen(t, data, hf_name, world)
 
     gguf_names = {v: k for k, v in GGUF_GLOBAL.items()}
     gguf_names.update({v: k for k, v in layer_names.items()})
@@ -283,7 +310,7 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
                     if ARCHITECTURES[arch]["permuted_qk"] else {})
         kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=keep_blocks)
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
-                                   progress, skip=kept, transform=transform)
+                                   progress, skip=kept, transform=transform, get_share=get_share)
     for name, parts in kept.items():
         state.update({f"{name}_{suffix}": t for suffix, t in parts.items()})
     if args.tie_word_embeddings and "output.weight" in kept:  # the embedding reads the same codes
