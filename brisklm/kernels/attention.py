@@ -40,17 +40,64 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
     from .gemv import _await_inputs
 
     @triton.jit
-    def _online(scores, m, denom):
+    def _online(scores, m, denom, ROWS: tl.constexpr):
         """One block's step of the online softmax (base 2): the new running max,
         the factor for what was summed before, the block's weights and the new
-        denominator. A row that has seen nothing yet (its max still -inf) gets
-        weights 0, not NaN (a few-row step's windows can leave a row a block with
-        no visible key)."""
+        denominator. With ROWS, a row that has seen nothing yet (its max still
+        -inf) gets weights 0, not NaN: a few-token step's windows can leave a
+        row a block with no visible key (one token's never do)."""
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if ROWS else m_new
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         return m_new, alpha, p, denom * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _queries(q_ptrs, ok, cos, sin, F32: tl.constexpr):
+        """Query rows (at q_ptrs, masked by ok) RoPE'd, in halves; in fp32 for
+        fp32 models and the interpreter (whose bf16 tl.dot is wrong)."""
+        q1, q2 = _rope(tl.load(q_ptrs, mask=ok, other=0.0), tl.load(q_ptrs + cos.shape[1], mask=ok, other=0.0),
+                       cos, sin, q_ptrs.dtype.element_ty)
+        if F32:
+            q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
+        return q1, q2
+
+    @triton.jit
+    def _attend_cached(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0, first, cached_end, q_lo,
+                       D: tl.constexpr, QK_SCALE: tl.constexpr, BLOCK_S: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+                       INT8: tl.constexpr, F32: tl.constexpr, ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+        """The online softmax's state (max, denominator, output sums) of the
+        query rows over the cached positions first..cached_end-1 of a slice."""
+        m = tl.full((q1.shape[0],), float("-inf"), tl.float32)
+        denom = tl.zeros((q1.shape[0],), tl.float32)
+        acc = tl.zeros((q1.shape[0], D), tl.float32)
+        s = tl.arange(0, BLOCK_S)
+        if INTERPRET:  # no runtime loop bounds there: a constant trip count, empty blocks skipped
+            for i in range(MAX_BLOCKS):
+                start = first + i * BLOCK_S
+                if start < cached_end:
+                    m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
+                                            start + s < cached_end, m, denom, acc, start + s, q_lo,
+                                            D, QK_SCALE, INT8, F32, ROWS)
+        else:
+            for start in tl.range(first, cached_end, BLOCK_S):
+                m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
+                                        start + s < cached_end, m, denom, acc, start + s, q_lo,
+                                        D, QK_SCALE, INT8, F32, ROWS)
+        return m, denom, acc
+
+    @triton.jit
+    def _store_slice(acc, m, denom, o_ptr, lse_ptr, out_rows, ok, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        """A slice's normalized output at rows out_rows of (splits x rows, D), and
+        its log-sum-exp for the combine."""
+        filled = denom > 0  # false in the slices past the filled length
+        safe = tl.where(filled, denom, 1.0)
+        out = acc / safe[:, None]
+        d = tl.arange(0, D)
+        tl.store(o_ptr + out_rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+        if NUM_SPLITS > 1:  # natural log
+            lse = tl.where(filled, m / 1.4426950408889634 + tl.log(safe), float("-inf"))
+            tl.store(lse_ptr + out_rows, lse, mask=ok)
 
     @triton.jit
     def _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, rows, ok, m, denom, acc, key_pos, q_lo,
@@ -74,7 +121,7 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
             scores = tl.where(ok[None, :] & (key_pos[None, :] >= q_lo[:, None]), scores, float("-inf"))
         else:
             scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_new, alpha, p, denom = _online(scores, m, denom)
+        m_new, alpha, p, denom = _online(scores, m, denom, ROWS)
         if INT8:
             p *= tl.load(vs_ptr + rows, mask=ok, other=0.0).to(tl.float32)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v, input_precision=precision)
@@ -104,30 +151,15 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         blocks_per_split = tl.cdiv(tl.cdiv(pos + 1 - lo, BLOCK_S), NUM_SPLITS)
         first = lo + split * blocks_per_split * BLOCK_S
         end = tl.minimum(first + blocks_per_split * BLOCK_S, pos + 1)
-        g, half, s = tl.arange(0, G_PAD), tl.arange(0, D // 2), tl.arange(0, BLOCK_S)
+        g, half = tl.arange(0, G_PAD), tl.arange(0, D // 2)
         heads = kv_head * G + g
         dtype = qkv_ptr.dtype.element_ty
         cos, sin = tl.load(cos_ptr + half), tl.load(sin_ptr + half)
-        q_ptrs = qkv_ptr + heads[:, None] * D + half[None, :]
-        q1, q2 = _rope(tl.load(q_ptrs, mask=(g < G)[:, None], other=0.0),
-                       tl.load(q_ptrs + D // 2, mask=(g < G)[:, None], other=0.0), cos[None, :], sin[None, :], dtype)
-        if F32:  # fp32 models, and the interpreter (whose bf16 tl.dot is wrong)
-            q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
-        m = tl.full((G_PAD,), float("-inf"), tl.float32)
-        denom = tl.zeros((G_PAD,), tl.float32)
-        acc = tl.zeros((G_PAD, D), tl.float32)
+        q1, q2 = _queries(qkv_ptr + heads[:, None] * D + half[None, :], (g < G)[:, None], cos[None, :], sin[None, :],
+                          F32)
         row0 = kv_head * S
-        cached_end = tl.minimum(end, pos)
-        if INTERPRET:  # no runtime loop bounds there: a constant trip count, empty blocks skipped
-            for i in range(MAX_BLOCKS):
-                start = first + i * BLOCK_S
-                if start < cached_end:
-                    m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
-                                            start + s < cached_end, m, denom, acc, 0, 0, D, QK_SCALE, INT8, F32, False)
-        else:
-            for start in tl.range(first, cached_end, BLOCK_S):
-                m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
-                                        start + s < cached_end, m, denom, acc, 0, 0, D, QK_SCALE, INT8, F32, False)
+        m, denom, acc = _attend_cached(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0, first, tl.minimum(end, pos), 0,
+                                       D, QK_SCALE, BLOCK_S, MAX_BLOCKS, INT8, F32, False, INTERPRET)
         if (first <= pos) & (pos < end):  # this slice holds the new token: store it, attend to it
             k_ptrs = qkv_ptr + (H + kv_head) * D + half
             k1, k2 = _rope(tl.load(k_ptrs), tl.load(k_ptrs + D // 2), cos, sin, dtype)
@@ -161,15 +193,7 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
             denom = denom * alpha + p
             acc = acc * alpha[:, None] + p[:, None] * v[None, :]
             m = m_new
-        filled = denom > 0  # false in the slices past the filled length
-        safe = tl.where(filled, denom, 1.0)
-        out = acc / safe[:, None]
-        d = tl.arange(0, D)
-        o_ptrs = o_ptr + (split * H + heads)[:, None] * D + d[None, :]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
-        if NUM_SPLITS > 1:  # natural log, for the combine
-            lse = tl.where(filled, m / 1.4426950408889634 + tl.log(safe), float("-inf"))
-            tl.store(lse_ptr + split * H + heads, lse, mask=g < G)
+        _store_slice(acc, m, denom, o_ptr, lse_ptr, split * H + heads, g < G, D, NUM_SPLITS)
 
     @triton.jit
     def _rows_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, T,
@@ -190,7 +214,7 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         blocks_per_split = tl.cdiv(tl.cdiv(pos + 1 - lo, BLOCK_S), NUM_SPLITS)
         first = lo + split * blocks_per_split * BLOCK_S
         end = tl.minimum(first + blocks_per_split * BLOCK_S, pos + 1)
-        r, half, s = tl.arange(0, QROWS), tl.arange(0, D // 2), tl.arange(0, BLOCK_S)
+        r, half = tl.arange(0, QROWS), tl.arange(0, D // 2)
         per_chunk: tl.constexpr = QROWS // G
         t = chunk * per_chunk + r // G  # each query row's token
         valid = (r < per_chunk * G) & (t < T)
@@ -200,28 +224,11 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         dtype = qkv_ptr.dtype.element_ty
         cos = tl.load(cos_ptr + t[:, None] * (D // 2) + half[None, :], mask=valid[:, None], other=1.0)
         sin = tl.load(sin_ptr + t[:, None] * (D // 2) + half[None, :], mask=valid[:, None], other=0.0)
-        q_ptrs = qkv_ptr + t[:, None] * stride + heads[:, None] * D + half[None, :]
-        q1, q2 = _rope(tl.load(q_ptrs, mask=valid[:, None], other=0.0),
-                       tl.load(q_ptrs + D // 2, mask=valid[:, None], other=0.0), cos, sin, dtype)
-        if F32:
-            q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
-        m = tl.full((QROWS,), float("-inf"), tl.float32)
-        denom = tl.zeros((QROWS,), tl.float32)
-        acc = tl.zeros((QROWS, D), tl.float32)
+        q1, q2 = _queries(qkv_ptr + t[:, None] * stride + heads[:, None] * D + half[None, :], valid[:, None], cos, sin,
+                          F32)
         row0 = kv_head * S
-        cached_end = tl.minimum(end, pos)
-        if INTERPRET:
-            for i in range(MAX_BLOCKS):
-                start = first + i * BLOCK_S
-                if start < cached_end:
-                    m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
-                                            start + s < cached_end, m, denom, acc, start + s, q_lo,
-                                            D, QK_SCALE, INT8, F32, True)
-        else:
-            for start in tl.range(first, cached_end, BLOCK_S):
-                m, denom, acc = _attend(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0 + start + s,
-                                        start + s < cached_end, m, denom, acc, start + s, q_lo,
-                                        D, QK_SCALE, INT8, F32, True)
+        m, denom, acc = _attend_cached(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0, first, tl.minimum(end, pos), q_lo,
+                                       D, QK_SCALE, BLOCK_S, MAX_BLOCKS, INT8, F32, True, INTERPRET)
         if (first <= pos) & (pos < end):  # this slice holds the new tokens: store them, attend to them
             u = tl.arange(0, T_PAD)  # the new tokens, as keys
             new = u < T
@@ -263,18 +270,11 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
             scores = (scores + tl.dot(q2, tl.trans(k2.to(q1.dtype)), input_precision=precision)) * QK_SCALE
             seen = new[None, :] & (u[None, :] <= t[:, None]) & (pos + u[None, :] >= q_lo[:, None])
             scores = tl.where(seen, scores, float("-inf"))
-            m_new, alpha, p, denom = _online(scores, m, denom)
+            m_new, alpha, p, denom = _online(scores, m, denom, True)
             acc = acc * alpha[:, None] + tl.dot(p.to(q1.dtype), v.to(q1.dtype), input_precision=precision)
             m = m_new
-        filled = denom > 0  # false in the slices past the filled length
-        safe = tl.where(filled, denom, 1.0)
-        out = acc / safe[:, None]
-        d = tl.arange(0, D)
-        out_rows = split * T * H + t * H + heads  # (token, head) rows of (splits, T * H, D)
-        tl.store(o_ptr + out_rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
-        if NUM_SPLITS > 1:  # natural log, for the combine
-            lse = tl.where(filled, m / 1.4426950408889634 + tl.log(safe), float("-inf"))
-            tl.store(lse_ptr + out_rows, lse, mask=valid)
+        # (token, head) rows of (splits, T * H, D)
+        _store_slice(acc, m, denom, o_ptr, lse_ptr, split * T * H + t * H + heads, valid, D, NUM_SPLITS)
 
     @triton.jit
     def _combine_kernel(o_ptr, lse_ptr, out_ptr, H, D: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
