@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     _model_flags(c)
+    _tp_flag(c)
     _speculate_flags(c)
     _sampling_flags(c, max_new_tokens=512)
     c.add_argument("--system", default=None, help="system message")
@@ -295,9 +296,8 @@ def cmd_chat(args):
     told_of_dropping = False
     capacity = llm.generator.max_seq_length
     while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
+        line = shared_input("> ")
+        if line is None:
             print(file=sys.stderr)
             return
         if line.strip() in ("/exit", "/quit"):
@@ -334,6 +334,23 @@ def cmd_chat(args):
         s = llm.stats
         print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s, "
               f"{s.reused_tokens}/{s.prompt_tokens} prompt tokens from the cache]", file=sys.stderr)
+
+
+def shared_input(prompt: str) -> str | None:
+    """A line the user typed (None: they left), read by rank 0 and the same on
+    every tensor-parallel rank, whose steps must follow the same turns."""
+    import torch.distributed as dist
+    line = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            line = input(prompt)
+        except (EOFError, KeyboardInterrupt):
+            line = None
+    if dist.is_initialized():
+        box = [line]
+        dist.broadcast_object_list(box, src=0)
+        line = box[0]
+    return line
 
 
 def cmd_convert(args):
@@ -529,8 +546,8 @@ def tensor_parallel(args):
     if world == 1:
         yield
         return
-    if args.command not in ("generate", "bench"):
-        raise BriskError(f"brisk {args.command} does not run tensor-parallel yet (generate and bench do)")
+    if args.command not in ("generate", "chat", "bench"):
+        raise BriskError(f"brisk {args.command} does not run tensor-parallel yet (generate, chat and bench do)")
     if getattr(args, "tp", None) not in (None, world):
         raise BriskError(f"--tp {args.tp} but torchrun started {world} processes")
     import torch

@@ -158,3 +158,26 @@ def test_each_rank_reads_only_its_share_of_a_safetensors_folder(tmp_path, case, 
                          for p in ("self_attn.qkv_proj", "mlp.gate_up_proj")}, sorted(whole)
     else:
         assert whole and all("o_proj" in n or "down_proj" in n for n in whole), sorted(whole)
+
+
+@pytest.mark.slow
+def test_brisk_chat_tp_reads_the_terminal_once_and_replies_as_one_process(smollm2_gguf):
+    """Rank 0 reads each line and every rank takes the same turn: the replies
+    are the single process's (SmolLM2's 9 heads and 3 KV heads over 3 ranks)."""
+    flags = ["chat", "--checkpoint_path", smollm2_gguf, "--device", "cpu", "--dtype", "float32", "--temperature",
+             "0", "--max_new_tokens", "12"]
+    talk = "What is the capital of France?\nAnd of Italy?\n/exit\n"
+    alone = subprocess.run([sys.executable, "-m", "brisklm", *flags], env=ENV, input=talk, capture_output=True,
+                           text=True, timeout=600)
+    split = subprocess.run([sys.executable, "-m", "brisklm", *flags, "--tp", "3"], env=ENV, input=talk,
+                           capture_output=True, text=True, timeout=600)
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr[-2000:]
+    assert split.stdout == alone.stdout and "Paris" in split.stdout
+    assert "rank 0 of 3" in split.stderr
+
+
+def test_brisk_serve_under_torchrun_is_one_line():
+    done = subprocess.run([sys.executable, "-m", "brisklm", "serve", "--preset", "tiny-moe", "--device", "cpu"],
+                          env={**ENV, "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "error: brisk serve does not run tensor-parallel yet (generate, chat and bench do)"
