@@ -331,8 +331,8 @@ class Generator:
                     if value in stop:
                         break
             if policy:
-                policy.update(len(drafts), len(emitted) - 1 if drafts else 0, self._agreed(time.perf_counter() - t_step),
-                              steps=steps)
+                seconds = self._agreed(time.perf_counter() - t_step)
+                policy.update(len(drafts), len(emitted) - 1 if drafts else 0, seconds, steps=steps)
             stats.target_steps += steps
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
             self.cached = history + emitted[:-1]  # (the last emitted token is not in the cache yet)
