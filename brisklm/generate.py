@@ -310,7 +310,11 @@ class Generator:
         if first in stop:
             return
         # (how many drafts pay: from the step costs measured with this drafter, in this run and before)
-        policy = DraftPolicy(k, costs=self.draft_costs.setdefault(drafter, {})) if adapt else None
+        try:
+            costs = self.draft_costs.setdefault(drafter, {})
+        except TypeError:  # (a drafter that cannot be a weak key: measured afresh each run)
+            costs = {}
+        policy = DraftPolicy(k, costs=costs) if adapt else None
         while stats.new_tokens < max_new_tokens:
             here = len(history) - 1  # the position of the newest token, not yet in the cache
             room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted

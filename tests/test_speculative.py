@@ -1,6 +1,7 @@
 """Speculative decoding (speculative.py): greedy output token for token the
 plain output, for every drafter and draft length; sampled output distributed
 as plain sampling's."""
+import dataclasses
 import math
 import random
 
@@ -376,3 +377,22 @@ def test_the_compiled_verify_and_draft_steps_in_bf16_give_the_eager_logits():
         got = gen.logits(ids[9:10], 9, last=0, depth=2)[0, 0].float()  # a self-draft's one-token step
         want = forward(model, torch.tensor([ids[9:10]]), torch.tensor([9]), kv_len=10, depth=2)[0, 0].float()
         assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_a_drafter_that_cannot_be_a_weak_key_still_speculates():
+    """The generator keeps step costs by drafter; one it cannot key (an
+    unhashable dataclass) is measured afresh each run, and drafts as any."""
+    @dataclasses.dataclass
+    class Lookup:
+        inner: NgramDrafter = dataclasses.field(default_factory=NgramDrafter)
+
+        def propose(self, *args, **kwargs):
+            return self.inner.propose(*args, **kwargs)
+
+        def kept(self, length):
+            self.inner.kept(length)
+
+    want = list(Generator(tiny_model(), 256).tokens(PROMPTS[0], 40, GREEDY))
+    spec = Generator(tiny_model(), 256)
+    assert list(spec.tokens(PROMPTS[0], 40, GREEDY, drafter=Lookup())) == want
+    assert not spec.draft_costs
