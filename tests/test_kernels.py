@@ -652,12 +652,13 @@ from brisklm.kernels import gemv
 from brisklm.model import ModelArgs, RMSNorm, build_model, random_state_dict
 from brisklm.quantize import dequantize, quantize_int4, quantize_state_dict, quantized_entries
 # The int4 GEMV given the RMSNorm before it (gemv.pack_x): W norm(x) against
-# fp64, at SmolLM2's wqkv and w2 shapes (576 inputs: 18 groups of 32, a
-# partial block of sums of squares) and a Llama-3.1-8B-like 4096; against
-# the same GEMV of norm(x) rounded to bf16, the path it replaces.
+# fp64, at SmolLM2's wqkv and w2 input sizes (576 inputs: 18 groups of 32, a
+# partial block of sums of squares) and a Llama-3.1-8B-like 4096, a few
+# outputs each (the norm is over the inputs); against the same GEMV of
+# norm(x) rounded to bf16, the path it replaces.
 torch.manual_seed(0)
 worst = worst_bf16 = 0.0
-for n, k in ((960, 576), (576, 1536), (64, 4096)):
+for n, k in ((96, 576), (64, 1536), (64, 4096)):
     w = torch.randn(n, k) * 0.02
     norm = RMSNorm(k, 1e-5).to(torch.bfloat16)  # as in a bf16 model
     with torch.no_grad():
@@ -684,7 +685,7 @@ for n, k in ((960, 576), (576, 1536), (64, 4096)):
 # the sums scaled by 1/rms from sums of squares per 256 inputs (576: one
 # group; 768: three, a partial block of N_SQ), against fp64 and against the
 # same GEMV of norm(x), which bf16 rounds twice (x / rms, then times g).
-for n, k in ((960, 576), (40, 768), (64, 4096)):
+for n, k in ((96, 576), (40, 768), (64, 4096)):
     w = (torch.randn(n, k) * 0.02).bfloat16()
     norm = RMSNorm(k, 1e-5).to(torch.bfloat16)
     with torch.no_grad():
