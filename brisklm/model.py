@@ -105,6 +105,11 @@ class ModelArgs:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
 
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE turns (partial_rotary_factor of them)."""
+        return round(self.head_dim * self.partial_rotary_factor)
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: it sees every earlier position)."""
         sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
@@ -180,7 +185,7 @@ def rotary_first(args: ModelArgs) -> torch.Tensor | None:
     one RoPE serves both, kernels included. The checkpoint readers put q's
     and k's rows (and their norms) in this order; attention scores are the
     same, since q and k are reordered alike."""
-    d, r = args.head_dim, round(args.head_dim * args.partial_rotary_factor)
+    d, r = args.head_dim, args.rotary_dim
     if r == d:
         return None
     return torch.cat([torch.arange(0, r // 2), torch.arange(r, r + (d - r) // 2),
@@ -192,7 +197,7 @@ def rope_frequencies(args: ModelArgs, local: bool = False, long: bool = False) -
     partial_rotary_factor), fp32, with the model's scaling applied (local:
     the sliding layers' base, which Gemma 3 does not scale; long: LongRoPE's
     factors for a context past the original one)."""
-    dim = round(args.head_dim * args.partial_rotary_factor)
+    dim = args.rotary_dim
     theta = args.rope_local_base_freq if local else args.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     scaling = {} if local else args.rope_scaling or {}

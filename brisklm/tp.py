@@ -86,8 +86,8 @@ def sharder(rank: int, world: int, inner=None):
     `inner` (e.g. the quantizer) first, then sliced to this rank's share.
 
     `transform.share(name)` tells a reader that can read part of a tensor
-    (safetensors, a GGUF file's mapping) which share to read of each of its parts, (dim, rank,
-    world), and the reader passes that share with local=True. A column
+    (safetensors, a GGUF file's mapping) which share of each of its parts
+    to read, (dim, rank, world); the reader passes that share with local=True. A column
     split's rows are independent, so they are read in part under any
     per-row or per-group quantizer; a row split's inputs only unquantized
     (an int8 row's scale is the whole row's)."""
