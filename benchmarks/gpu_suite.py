@@ -1,10 +1,14 @@
 """Every published decode variant in one call: one `brisk bench` process per
 variant (fresh memory and compiled state each), then one summary table.
 
-    PYTHONPATH=. python3 benchmarks/gpu_suite.py [--only bf16,int8] [-- extra bench flags]
+    PYTHONPATH=. python3 benchmarks/gpu_suite.py [--presets llama-3.1-8b,qwen3-8b] [--only bf16,int8]
+        [--warm] [-- extra bench flags]
 
-Each variant's full markdown goes to stderr as it finishes; the table comes
-last on stdout, ready for benchmarks/RESULTS.md.
+Each variant runs on each preset. --warm first runs them all at once with one
+short sample each, so that the compiles share the GPU's wait and fill
+inductor's caches; the timed runs then follow one at a time. Each variant's
+full markdown goes to stderr as it finishes; the table comes last on stdout,
+ready for benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-BASE = ["--preset", "llama-3.1-8b", "--device", "cuda", "--compile", "--samples", "3", "--prefill", ""]
+BASE = ["--device", "cuda", "--compile", "--samples", "3", "--prefill", ""]
 VARIANTS = {
     "bf16": ["--context", "32768", "--peer", "hf"],
     "bf16-short": ["--context", ""],  # the quantized variants' settings: 5-token prompt, the default cache
@@ -28,12 +32,32 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, extra: list[str]) -> dict:
+def command(preset: str, name: str, extra: list[str], out: str) -> list[str]:
+    return [sys.executable, "-m", "brisklm", "bench", "--preset", preset, *BASE, *VARIANTS[name], *extra,
+            "--json", out]
+
+
+def warm(runs: list[tuple[str, str]], extra: list[str], jobs: int):
+    """The runs `jobs` at a time, one short sample each: compiles overlap, caches fill."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for start in range(0, len(runs), jobs):
+            batch = runs[start:start + jobs]
+            procs = [subprocess.Popen(command(p, n, [*extra, "--samples", "1", "--new_tokens", "16"],
+                                              os.path.join(tmp, f"{p}-{n}.json")),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for p, n in batch]
+            for (p, n), proc in zip(batch, procs):
+                err = proc.communicate()[1]
+                if proc.returncode != 0:
+                    sys.stderr.write(f"\n## warm-up {p} {n} failed:\n{err[-2000:]}")
+
+
+def run_variant(preset: str, name: str, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "brisklm", "bench", *BASE, *VARIANTS[name], *extra, "--json", out]
+        cmd = command(preset, name, extra, out)
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write(f"\n## {name}: {' '.join(cmd[3:])}\n{proc.stdout}")
+        sys.stderr.write(f"\n## {preset} {name}: {' '.join(cmd[3:])}\n{proc.stdout}")
         if proc.returncode != 0 or not os.path.exists(out):
             sys.stderr.write(proc.stderr[-3000:])
             return {}
@@ -54,6 +78,9 @@ def row(name: str, r: dict) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", default="llama-3.1-8b", help="comma-separated presets.py names")
+    parser.add_argument("--warm", action="store_true", help="first run everything, --jobs at once, to fill the caches")
+    parser.add_argument("--jobs", type=int, default=8, help="--warm's runs at once")
     parser.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variant names")
     parser.add_argument("extra", nargs="*", help="flags added to every bench (after --)")
     opts = parser.parse_args()
@@ -61,7 +88,10 @@ def main():
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    rows = [row(name, run_variant(name, opts.extra)) for name in names]
+    runs = [(preset, name) for preset in opts.presets.split(",") for name in names]
+    if opts.warm:
+        warm(runs, opts.extra, opts.jobs)
+    rows = [row(f"{preset} {name}", run_variant(preset, name, opts.extra)) for preset, name in runs]
     print("| variant | decode tok/s | fraction of read ceiling | cached tokens: tok/s (fraction) | vs transformers |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
