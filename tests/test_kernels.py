@@ -461,8 +461,22 @@ def test_a_tuned_table_given_for_a_block_is_used_there_and_restored_after():
     before = gemv.config(8, 4096, 4096)
     with gemv.tuned_table({"8:4096:4096": {"config": (8, 256, 2, 2)}}):
         assert gemv.config(8, 4096, 4096) == (8, 256, 2, 2)
-        assert gemv.config(8, 1024, 4096) == gemv.DEFAULT_CONFIG[8]  # not in the table: the default
+        assert gemv.config(16, 1024, 4096) == gemv.DEFAULT_CONFIG[16]  # no width-16 entry: the default
     assert gemv.config(8, 4096, 4096) == before
+
+
+def test_a_shape_not_measured_takes_the_nearest_measured_shapes_blocks_split_to_divide_k():
+    from brisklm.kernels import gemv
+    table = {"4d:4096:14336": {"config": (32, 512, 4, 4), "us": 12.4},
+             "4d:28672:4096": {"config": (16, 1024, 1, 4), "us": 19.0},
+             "16:4096:4096": {"config": (4, 512, 4, 4), "us": 9.5, "cublas_us": 12.2},
+             "16:28672:4096": {"config": (2, 2048, 1, 4), "us": 55.0, "cublas_us": 54.8}}
+    with gemv.tuned_table(table):
+        assert gemv.config("4d", 4096, 12288, 128) == (32, 512, 4, 4)  # Qwen3-8B's w2
+        assert gemv.config("4d", 5120, 17920, 128) == (32, 512, 5, 4)  # Phi-4's: 35 blocks, split 5
+        assert gemv.config("4d", 24576, 4096, 128) == (16, 1024, 1, 4)  # Qwen3-8B's w13
+        assert gemv.config("4d", 4096, 4100) == (32, 512, 1, 4)  # a ragged K: wide blocks, not split
+        assert gemv.beats_dense(3840, 3840) and not gemv.beats_dense(24576, 4096)
 
 
 @pytest.mark.compile

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 
 import torch
@@ -107,22 +108,45 @@ def tuned_table(table: dict):
         _tuned = saved
 
 
+def measured(bits: int | str, n: int, k: int) -> dict | None:
+    """The table's entry for this shape, else for the nearest measured shape
+    of the same width (by the ratios of N and of K): its blocks suit a
+    shape of about its size (the table holds the 8B's; Qwen3-8B's w2 is
+    4096 x 12288, Phi-4's 5120 x 17920), where the fixed defaults give a
+    wide matrix too few programs."""
+    table = tuned()
+    entry = table.get(f"{bits}:{n}:{k}")
+    if entry is not None:
+        return entry
+    shapes = [tuple(map(int, key.split(":")[1:])) for key in table if key.split(":")[0] == str(bits)]
+    if not shapes:
+        return None
+    distance = lambda shape: abs(math.log(shape[0] / n)) + abs(math.log(shape[1] / k))
+    near = min(shapes, key=distance)
+    return table[f"{bits}:{near[0]}:{near[1]}"]
+
+
 @torch.compiler.assume_constant_result  # traced as its result: the graph records the blocks it launches
 def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
-    entry = tuned().get(f"{bits}:{n}:{k}")
+    entry = measured(bits, n, k)
     block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
     block_k = max(block_k, group or 1)
-    # Blocks tile K exactly where they can (no masks along K), and hold whole groups.
-    while block_k > max(group or 1, 32) and k % block_k:
-        block_k //= 2
-    while split_k > 1 and k % (split_k * block_k):
-        split_k -= 1
+    # Blocks tile K exactly where they can (no masks along K), and hold whole
+    # groups; where no block does, K is ragged anyway and the wide block stays.
+    exact = block_k
+    while exact > max(group or 1, 32) and k % exact:
+        exact //= 2
+    block_k = exact if k % exact == 0 else block_k
+    # The split nearest the wanted one that divides K's blocks (17920 = 35 blocks of 512: 5 for 4).
+    blocks = k // block_k if k % block_k == 0 else 1  # (a ragged K is not split)
+    split_k = min((s for s in range(1, 2 * split_k + 1) if blocks % s == 0), key=lambda s: (abs(s - split_k), -s))
     return block_n, block_k, split_k, warps
 
 
 def beats_dense(n: int, k: int) -> bool:
-    """Whether our bf16 GEMV measured faster than cuBLAS for this shape here."""
-    entry = tuned().get(f"16:{n}:{k}")
+    """Whether our bf16 GEMV measured faster than cuBLAS for this shape, or
+    the nearest measured one, here."""
+    entry = measured(16, n, k)
     return bool(entry and entry.get("us", 1e9) < entry.get("cublas_us", 0))
 
 
