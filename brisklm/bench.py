@@ -115,10 +115,11 @@ def prefill_figures(llm, tokens, reps=3):
 def speculative_prompt(llm) -> tuple[list[int], str]:
     """(ids, what they are) for speculative figures: a model with a tokenizer
     is asked to repeat a fixed text (input-grounded: prompt lookup finds its
-    drafts there); random weights get random ids, where drafts are mostly
-    rejected (what speculation costs when it misses)."""
+    drafts there); random weights get random ids, where prompt lookup and a
+    self-draft mostly miss (what speculation costs then) and a draft of the
+    target's own weights mostly hits (the upper bound)."""
     if llm.tokenizer is None:
-        return _prompt(64, llm.model.args.vocab_size, seed=1), "random ids (drafts mostly rejected)"
+        return _prompt(64, llm.model.args.vocab_size, seed=1), "random ids"
     from .evaluate import default_text
     request = "Repeat the following text exactly:\n\n" + default_text(1200)
     if llm.tokenizer.chat_template:
