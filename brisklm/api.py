@@ -611,6 +611,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
                                    transform=transform,
                                    plan=plan)
         args, state, tokenizer, name = ckpt.args, ckpt.state_dict, ckpt.tokenizer, ckpt.path
+        del ckpt
     if quantized_as_read:
         args = untied(args, state)
     elif world == 1:
@@ -619,6 +620,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     if quantize == "q8_0" and torch.device(device).type == "cpu" and not compile:
         log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", quiet)
     model = build_model(args, state)
+    # The model holds the tensors now: a reference kept here would keep each one
+    # alive after preparing copies it (an MoE's stacked experts: bf16 Mixtral
+    # held 2x its 93 GB and did not fit an H200).
+    del state
     if fused_kernels:
         from .fusion import fuse_for_decode
         fuse_for_decode(model)

@@ -156,3 +156,27 @@ def test_a_native_folder_written_in_shards_reads_back_bit_for_bit(tmp_path):
     assert sorted(os.listdir(whole)) == ["brisk.json", "model.safetensors"]
     assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) == writer.shards
     same_entries(load_checkpoint(sharded).state_dict, load_checkpoint(whole).state_dict)
+
+
+def test_stacking_experts_does_not_keep_the_loaded_copies_alive(monkeypatch):
+    """Preparing an MoE stacks each expert tensor name into one tensor; the
+    tensors as loaded must be garbage by then, else the experts are held
+    twice while loading (bf16 Mixtral, 2 x 93 GB, did not fit an H200)."""
+    import weakref
+
+    from brisklm.model import MoEFeedForward
+    loaded, alive_at_prepare = [], []
+    build, prepare = api.build_model, MoEFeedForward.prepare
+
+    def build_model(args, state):
+        loaded.extend(weakref.ref(t) for name, t in state.items() if ".experts." in name)
+        return build(args, state)
+
+    def prepare_after_check(self, device, compiled=False):
+        alive_at_prepare.append(sum(r() is not None for r in loaded))
+        return prepare(self, device, compiled)
+
+    monkeypatch.setattr(api, "build_model", build_model)
+    monkeypatch.setattr(MoEFeedForward, "prepare", prepare_after_check)
+    brisklm.load(preset="tiny-moe", device="cpu", compile=False)
+    assert loaded and alive_at_prepare and alive_at_prepare == [0] * len(alive_at_prepare)
