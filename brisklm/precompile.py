@@ -110,13 +110,17 @@ def precompiled(fn, options: dict, path: str, dynamic: bool | None = None):
             compiled = torch.compile(fn, fullgraph=True, options=options, dynamic=dynamic)
     except Exception:
         return plain()
-    state = {"step": compiled, "first": True}
+    state = {"step": compiled, "first": True, "precompiling": True}
 
     def step(*args, **kwargs):
-        if not state["first"] and not dynamic:
+        if not state["first"] and not (dynamic and state["precompiling"]):
             return state["step"](*args, **kwargs)
         if not state["first"]:  # a new length may compile again, which torch 2.11 refuses outside the
-            with torch._dynamo.config.patch(caching_precompile=True):  # setting it was traced under
+            try:  # setting it was traced under
+                with torch._dynamo.config.patch(caching_precompile=True):
+                    return state["step"](*args, **kwargs)
+            except Exception:  # (torch 2.11, an H200 with a draft model in the process: an
+                state["step"], state["precompiling"] = plain(), False  # AssertionError in Dynamo's install_global)
                 return state["step"](*args, **kwargs)
         state["first"] = False
         guards_log = logging.getLogger("torch._dynamo.guards")  # one warning per global guard it drops
