@@ -179,8 +179,8 @@ def fuse_for_decode(model: Transformer) -> Transformer:
     a = model.args
     fused_attention = attention_kernel.supported(device, 1, 1, a.head_dim)
 
-    def fold(linear, norm):  # (a norm applied as (1 + w), Gemma's, stays in front)
-        return (FusedLinear(linear, norm), Folded()) if not norm.offset else (FusedLinear(linear), norm)
+    def fold(linear, norm):
+        return FusedLinear(linear, norm), Folded()
 
     for layer in model.layers:
         attn, ffn = layer.attention, layer.feed_forward

@@ -226,13 +226,18 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def gain(self) -> torch.Tensor:
+        """The factor after normalizing: w, or Gemma's (1 + w) in fp32 (1 + w
+        rounded to bf16 would lose w's digits)."""
+        return self.offset + self.weight.float() if self.offset else self.weight
+
     def forward(self, x):
         # Normalize in fp32 as the reference does, then scale in the model dtype
-        # (Gemma's (1 + w) in fp32: 1 + w rounded to bf16 would lose w's digits).
+        # (Gemma's (1 + w): in fp32).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+            return (xf * self.gain()).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 

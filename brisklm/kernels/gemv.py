@@ -852,7 +852,7 @@ def norm_parts(x: torch.Tensor, norm):
     The int8, fp8 and Q8_0 kernels measured no gain or a loss from the same
     fold (int8 427.7 against 428.2, fp8 414.1 against 419.3); they apply the
     norm first, and int4 folds it into x's planes (pack_x)."""
-    v, squares = _norm_input(x, norm.weight, NORM_GROUP if x.numel() % NORM_GROUP == 0 else x.numel())
+    v, squares = _norm_input(x, norm.gain(), NORM_GROUP if x.numel() % NORM_GROUP == 0 else x.numel())
     return v.reshape(-1).to(x.dtype), squares, norm.eps
 
 
@@ -878,7 +878,7 @@ def grouped_gemv(x, codes, scale, zero, norm=None) -> torch.Tensor:
     group = codes.shape[1] * (2 if codes.dtype == torch.uint8 else 1) // scale.shape[1]
     int4_dp4a = codes.dtype == torch.uint8 and uses_dp4a(x, codes, group)
     if int4_dp4a and norm is not None:  # the norm folded into x's planes (pack_x)
-        hi, lo, step, x_sum, squares = pack_x(x, group, norm.weight)
+        hi, lo, step, x_sum, squares = pack_x(x, group, norm.gain())
         return _run(_int4_packed_op, _launch_int4_packed, hi, lo, step, x_sum, squares, norm.eps, codes, scale,
                     zero, list(int4_dp4a_config(codes, scale)))
     x = x if norm is None else norm(x)
