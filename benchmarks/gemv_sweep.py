@@ -2,13 +2,15 @@
 sizes chosen by measurement.
 
     PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--write] [--retime] [--kinds bf16,int8,int4] [--check KINDS]
+        [--presets llama-3.1-8b,qwen3-8b,gemma-3-12b,phi-4]
 
 1. Correctness: each kind (bf16, int8, fp8, int4 g32/g64/g128/g256) at every
    weight shape of the Llama-3.1-8B, Mixtral-8x7B and SmolLM2-135M presets,
    random weights and a random bf16 token, against fp64 of the same
    (dequantized) weights. Bound: 1e-4 relative (fp32 accumulation over K up
    to 14336; bf16 itself resolves 3.9e-3).
-2. Speed: for each Llama-3.1-8B shape and weight width, candidate block sizes,
+2. Speed: for each shape of the --presets (default Llama-3.1-8B's) and
+   weight width, candidate block sizes,
    each replayed in a CUDA graph over rotating weight copies (L2 never holds
    the weight) and timed with CUDA events; bytes counted are the codes plus
    scales and zeros. cuBLAS (bf16) and tinygemm (int4) run alongside.
@@ -223,6 +225,8 @@ def main():
                     help="kinds to time ('' for none)")
     ap.add_argument("--out", default=None, help="also write the table as JSON here")
     ap.add_argument("--retime", action="store_true", help="time only the configs already in the table")
+    ap.add_argument("--presets", default="llama-3.1-8b",
+                    help="comma-separated presets whose matrix shapes are timed (a shape already met is skipped)")
     ap.add_argument("--check", default="bf16,int8,fp8,int8-g32,int4-g32,int4-g64,int4-g128,int4-g256",
                     help="kinds whose correctness is checked first ('' for none)")
     opts = ap.parse_args()
@@ -231,7 +235,11 @@ def main():
     print("\n".join(lines), flush=True)
     print(f"correctness checked in {time.time() - t0:.0f} s", flush=True)
     ceiling = read_ceiling_gbs()
-    shapes = model_shapes(preset("llama-3.1-8b"))
+    shapes = {}
+    for name in opts.presets.split(","):
+        for matrix, shape in model_shapes(preset(name)).items():
+            if shape not in shapes.values():
+                shapes[f"{name} {matrix}"] = shape
     table, rows = {}, []
     for kind in [k for k in opts.kinds.split(",") if k]:
         bits = width_key(kind)
