@@ -5,6 +5,8 @@
 Correctness at the Llama-3.1-8B and SmolLM2 head shapes, bf16 and int8
 caches, at several filled lengths: the output against fp64, and the new key
 and value the kernel stores against the model's own RoPE and cache write.
+The per-head q/k norms inside the kernel (Qwen3's w, Gemma 3's 1 + w)
+against model.RMSNorm applied first: stored keys and outputs equal.
 Then the time of one call (replayed in a CUDA graph) against the bytes of
 the filled cache it reads. --sweep instead times the launch settings of
 brisklm/kernels/attention.py (block of positions, warps, pipeline stages,
@@ -22,7 +24,7 @@ import torch
 from brisklm.kernels import attention
 from brisklm.kernels.attention import decode_attention, num_splits
 from gemv_sweep import time_us  # a CUDA graph of the calls, best of 3
-from brisklm.model import KVCache, apply_rope
+from brisklm.model import KVCache, RMSNorm, apply_rope
 
 
 def make(h, hkv, d, S, int8):
@@ -95,6 +97,35 @@ def sweep(grid):
         print(key, b)
 
 
+def check_qk_norm(h=32, hkv=8, d=128, S=1024):
+    """The kernel's q/k norms against RMSNorm applied to qkv first, one token
+    and five: (fraction of stored keys equal, worst output relative difference)."""
+    equal, worst = 1.0, 0.0
+    for offset in (0.0, 1.0):
+        norms = [RMSNorm(d, 1e-6, offset).to("cuda", torch.bfloat16) for _ in range(2)]
+        with torch.no_grad():
+            for n in norms:
+                n.weight.copy_(torch.rand(d, device="cuda") + 0.5 - offset)
+        for tokens in (1, 5):
+            qkv = torch.randn(tokens, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16) * 3
+            q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+            normed = torch.cat([norms[0](q.reshape(tokens, h, d)).reshape(tokens, -1),
+                                norms[1](k.reshape(tokens, hkv, d)).reshape(tokens, -1), v], dim=-1)
+            angles = 100 * torch.rand(tokens, d // 2, device="cuda")
+            cos, sin = angles.cos(), angles.sin()
+            pos = torch.tensor([100], device="cuda")
+            outs, filled = [], make(h, hkv, d, S, False)
+            for x, qk_norm in ((qkv, (norms[0].weight, norms[1].weight, 1e-6, offset)), (normed, None)):
+                cache = copy.deepcopy(filled)
+                y = decode_attention(x if tokens > 1 else x[0], cos if tokens > 1 else cos[0],
+                                     sin if tokens > 1 else sin[0], cache.k, cache.v, pos, qk_norm=qk_norm)
+                outs.append((y.double(), cache.k[:, :, 100:100 + tokens]))
+            (y, k_new), (y_ref, k_ref) = outs
+            equal = min(equal, (k_new == k_ref).float().mean().item())
+            worst = max(worst, ((y - y_ref).norm() / y_ref.norm()).item())
+    return equal, worst
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -112,6 +143,10 @@ def main():
                 print(f"| {h}/{hkv}/{d} | {S} | {'int8' if int8 else 'bf16'} | {num_splits(S)} | {err:.1e} | "
                       f"{store:.1e}{' (codes)' if int8 else ''} |", flush=True)
                 assert err < 4e-3 and store <= (1 if int8 else 4e-3), (err, store)
+    equal, worst = check_qk_norm()
+    print(f"\nq/k norms in the kernel against RMSNorm first: stored keys equal {equal:.4f}, "
+          f"output relative difference {worst:.1e}", flush=True)
+X
     print("\n| kv | cache size | filled | us | GB/s of the filled cache |\n| --- | --- | --- | --- | --- |")
     for int8 in (False, True):
         for S, length in ((256, 5), (33000, 5), (33000, 1024), (33000, 8192), (33000, 32768)):

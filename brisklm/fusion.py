@@ -106,9 +106,8 @@ class FusedAttention(Attention):
     """Attention whose step over one token, or a few (batch 1: decoding, a
     speculative verify step, a short prompt), is one Triton kernel: RoPE on
     the queries and keys, the keys and values stored at input_pos, attention
-    over the positions each token sees (the last `window` of them). Per-head q/k norms
-    (Qwen3, Gemma 3) are applied to the projections first, in torch ops that a
-    compiled step fuses into one small kernel."""
+    over the positions each token sees (the last `window` of them), the
+    per-head q/k norms first where the model has them (Qwen3, Gemma 3)."""
 
     def forward(self, x, cos, sin, mask, input_pos):
         T = x.shape[1]
@@ -119,13 +118,13 @@ class FusedAttention(Attention):
         if not self.rope:  # (a layer without RoPE, SmolLM3's: the identity rotation)
             cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         qkv = self.wqkv(x).reshape(T, -1)
+        qk_norm = None
         if hasattr(self, "q_norm"):
-            d = self.head_dim
-            q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
-            qkv = torch.cat([self.q_norm(q.reshape(T, -1, d)).reshape(T, -1),
-                             self.k_norm(k.reshape(T, -1, d)).reshape(T, -1), v], dim=-1)
+            q_norm, k_norm = self.q_norm, self.k_norm
+            qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
         y = attention_kernel.decode_attention(qkv, cos.reshape(T, -1), sin.reshape(T, -1), cache.k, cache.v,
-                                              input_pos, *scales, window=self.window, scale=self.scale)
+                                              input_pos, *scales, window=self.window, scale=self.scale,
+                                              qk_norm=qk_norm)
         return self.wo(y)
 
 

@@ -437,11 +437,12 @@ for int8, tokens in ((False, 1), (True, 1), (False, 3), (True, 3)):  # (one new 
     qkv = torch.randn(tokens, (4 + 2 * 2) * 32).to(torch.bfloat16)
     cos, sin = torch.rand(tokens, 16), torch.rand(tokens, 16)
     pos = torch.tensor([7])
+    norm = (torch.rand(32).bfloat16(), torch.rand(32).bfloat16(), 1e-6, 1.0) if tokens == 3 else (None, None, 0.0, 0.0)
     if int8:
         cases.append((attention._decode_attention_int8_op,
-                      (qkv, cos, sin, cache.k, cache.v, cache.k_scale, cache.v_scale, pos, 0, 0.0)))
+                      (qkv, cos, sin, cache.k, cache.v, cache.k_scale, cache.v_scale, pos, 0, 0.0, *norm)))
     else:
-        cases.append((attention._decode_attention_op, (qkv, cos, sin, cache.k, cache.v, pos, 0, 0.125)))
+        cases.append((attention._decode_attention_op, (qkv, cos, sin, cache.k, cache.v, pos, 0, 0.125, *norm)))
 for op, args in cases:
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 # (opcheck's schema test multiplies the inputs, which CPUs cannot do in fp8)
@@ -454,6 +455,54 @@ print("ops ok", len(cases) + 1)
 @pytest.mark.slow
 def test_custom_ops_fake_implementations_and_schemas():
     assert "ops ok 13" in run_interpreted(OPS_CHILD)
+
+
+QK_NORM_CHILD = r"""
+import torch
+from brisklm.kernels import attention
+from brisklm.model import KVCache, RMSNorm
+# The per-head q/k norms inside the attention kernel against model.RMSNorm
+# applied to qkv first: the output and the keys it stores, one token and a
+# few, the cache in the model's dtype and in int8, norms as w and as Gemma's
+# 1 + w. fp32 to 1e-5; bf16 within its rounding (the interpreter truncates
+# where a GPU rounds to nearest, so not bit for bit here).
+torch.manual_seed(0)
+H, HKV, D = 4, 2, 32
+for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+    for offset in (0.0, 1.0):
+        q_norm, k_norm = RMSNorm(D, 1e-6, offset).to(dtype), RMSNorm(D, 1e-6, offset).to(dtype)
+        with torch.no_grad():
+            q_norm.weight.copy_(torch.rand(D) + 0.5 - offset)
+            k_norm.weight.copy_(torch.rand(D) + 0.5 - offset)
+        for int8 in (False, True):
+            for tokens in (1, 3):
+                qkv = (torch.randn(tokens, (H + 2 * HKV) * D) * 3).to(dtype)
+                cos, sin = torch.rand(tokens, D // 2), torch.rand(tokens, D // 2)
+                q, k, v = qkv.split([H * D, HKV * D, HKV * D], dim=-1)
+                with torch.no_grad():
+                    normed = torch.cat([q_norm(q.reshape(tokens, H, D)).reshape(tokens, -1),
+                                        k_norm(k.reshape(tokens, HKV, D)).reshape(tokens, -1), v], dim=-1)
+                outs = []
+                for x, norm in ((qkv, (q_norm.weight, k_norm.weight, 1e-6, offset)), (normed, None)):
+                    cache = KVCache(1, HKV, 48, D, dtype, "cpu", int8)
+                    scales = (cache.k_scale, cache.v_scale) if int8 else (None, None)
+                    one = (lambda t: t[0]) if tokens == 1 else (lambda t: t)
+                    y = attention.decode_attention(one(x), one(cos), one(sin), cache.k, cache.v, torch.tensor([5]),
+                                                   *scales, qk_norm=norm)
+                    keys = cache.k.float() * (cache.k_scale.float() if int8 else 1)
+                    outs.append((y.float(), keys[:, :, 5:5 + tokens]))
+                (y, keys), (y_ref, keys_ref) = outs
+                where = (dtype, offset, int8, tokens)
+                # (bf16: three truncations where the reference rounds, each up to one unit in the last place)
+                assert (keys - keys_ref).abs().max() <= (4 if int8 else 2) * bound * keys_ref.abs().max(), where
+                assert (y - y_ref).norm() / y_ref.norm() < 2 * bound, where
+print("qk norms ok")
+"""
+
+
+@pytest.mark.slow
+def test_attention_kernel_applies_the_q_k_norms_as_the_model_does():
+    assert "qk norms ok" in run_interpreted(QK_NORM_CHILD)
 
 
 def test_a_tuned_table_given_for_a_block_is_used_there_and_restored_after():

@@ -11,8 +11,9 @@ positions not yet written cost nothing. With NUM_SPLITS > 1 each slice
 writes its normalized output and log-sum-exp, and a second kernel combines
 the slices that held positions.
 
-The kernel also does what came before attention: RoPE on the new query and
-key, and storing the new key and value in the cache (the slice that holds
+The kernel also does what came before attention: the per-head RMSNorm of
+the new query and key where the model has one (Qwen3, Gemma 3), RoPE on
+them, and storing the new key and value in the cache (the slice that holds
 the new position does it, and attends to them from registers), so the
 projections go straight from the qkv GEMV to this kernel.
 
@@ -53,11 +54,33 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         return m_new, alpha, p, denom * alpha + tl.sum(p, axis=1)
 
     @triton.jit
-    def _queries(q_ptrs, ok, cos, sin, F32: tl.constexpr):
-        """Query rows (at q_ptrs, masked by ok) RoPE'd, in halves; in fp32 for
-        fp32 models and the interpreter (whose bf16 tl.dot is wrong)."""
-        q1, q2 = _rope(tl.load(q_ptrs, mask=ok, other=0.0), tl.load(q_ptrs + cos.shape[1], mask=ok, other=0.0),
-                       cos, sin, q_ptrs.dtype.element_ty)
+    def _head_norm(x1, x2, w_ptr, eps, AXIS: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr):
+        """The RMSNorm over each head (its halves x1, x2 along AXIS) with weight
+        w, rounded as model.RMSNorm rounds: w times x / rms rounded, or with an
+        OFFSET (Gemma's 1 + w) x / rms times (1 + w) in fp32, rounded once."""
+        if NORM:
+            dtype = x1.dtype
+            x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+            half = tl.arange(0, x1.shape[AXIS])
+            w1 = tl.load(w_ptr + half).to(tl.float32) + OFFSET
+            w2 = tl.load(w_ptr + x1.shape[AXIS] + half).to(tl.float32) + OFFSET
+            inv = tl.rsqrt((tl.sum(x1 * x1, axis=AXIS) + tl.sum(x2 * x2, axis=AXIS)) / (2 * x1.shape[AXIS]) + eps)
+            if AXIS == 1:
+                inv, w1, w2 = inv[:, None], w1[None, :], w2[None, :]
+            x1, x2 = x1 * inv, x2 * inv
+            if OFFSET == 0.0:
+                x1, x2 = x1.to(dtype).to(tl.float32), x2.to(dtype).to(tl.float32)
+            x1, x2 = (x1 * w1).to(dtype), (x2 * w2).to(dtype)
+        return x1, x2
+
+    @triton.jit
+    def _queries(q_ptrs, ok, cos, sin, qw_ptr, eps, F32: tl.constexpr, NORM: tl.constexpr, OFFSET: tl.constexpr):
+        """Query rows (at q_ptrs, masked by ok) normed (NORM) and RoPE'd, in
+        halves; in fp32 for fp32 models and the interpreter (whose bf16
+        tl.dot is wrong)."""
+        q1, q2 = _head_norm(tl.load(q_ptrs, mask=ok, other=0.0), tl.load(q_ptrs + cos.shape[1], mask=ok, other=0.0),
+                            qw_ptr, eps, 1, NORM, OFFSET)
+        q1, q2 = _rope(q1, q2, cos, sin, q_ptrs.dtype.element_ty)
         if F32:
             q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
         return q1, q2
@@ -140,8 +163,8 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         return (x + 12582912.0) - 12582912.0
 
     @triton.jit
-    def _split_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, WINDOW,
-                      QK_SCALE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    def _split_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H,
+                      qw_ptr, kw_ptr, eps, WINDOW, NORM: tl.constexpr, OFFSET: tl.constexpr, QK_SCALE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                       INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
@@ -156,13 +179,14 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         dtype = qkv_ptr.dtype.element_ty
         cos, sin = tl.load(cos_ptr + half), tl.load(sin_ptr + half)
         q1, q2 = _queries(qkv_ptr + heads[:, None] * D + half[None, :], (g < G)[:, None], cos[None, :], sin[None, :],
-                          F32)
+                          qw_ptr, eps, F32, NORM, OFFSET)
         row0 = kv_head * S
         m, denom, acc = _attend_cached(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0, first, tl.minimum(end, pos), 0,
                                        D, QK_SCALE, BLOCK_S, MAX_BLOCKS, INT8, F32, False, INTERPRET)
         if (first <= pos) & (pos < end):  # this slice holds the new token: store it, attend to it
             k_ptrs = qkv_ptr + (H + kv_head) * D + half
-            k1, k2 = _rope(tl.load(k_ptrs), tl.load(k_ptrs + D // 2), cos, sin, dtype)
+            k1, k2 = _head_norm(tl.load(k_ptrs), tl.load(k_ptrs + D // 2), kw_ptr, eps, 0, NORM, OFFSET)
+            k1, k2 = _rope(k1, k2, cos, sin, dtype)
             k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
             d = tl.arange(0, D)
             v = tl.load(qkv_ptr + (H + H // G + kv_head) * D + d).to(tl.float32)
@@ -196,8 +220,8 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         _store_slice(acc, m, denom, o_ptr, lse_ptr, split * H + heads, g < G, D, NUM_SPLITS)
 
     @triton.jit
-    def _rows_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H, T,
-                     WINDOW, QK_SCALE: tl.constexpr, G: tl.constexpr, QROWS: tl.constexpr, T_PAD: tl.constexpr,
+    def _rows_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H,
+                     qw_ptr, kw_ptr, eps, T, WINDOW, NORM: tl.constexpr, OFFSET: tl.constexpr, QK_SCALE: tl.constexpr, G: tl.constexpr, QROWS: tl.constexpr, T_PAD: tl.constexpr,
                      D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                      INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         """_split_kernel for T new tokens at positions pos..pos+T-1 (a
@@ -225,7 +249,7 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
         cos = tl.load(cos_ptr + t[:, None] * (D // 2) + half[None, :], mask=valid[:, None], other=1.0)
         sin = tl.load(sin_ptr + t[:, None] * (D // 2) + half[None, :], mask=valid[:, None], other=0.0)
         q1, q2 = _queries(qkv_ptr + t[:, None] * stride + heads[:, None] * D + half[None, :], valid[:, None], cos, sin,
-                          F32)
+                          qw_ptr, eps, F32, NORM, OFFSET)
         row0 = kv_head * S
         m, denom, acc = _attend_cached(q1, q2, k_ptr, v_ptr, ks_ptr, vs_ptr, row0, first, tl.minimum(end, pos), q_lo,
                                        D, QK_SCALE, BLOCK_S, MAX_BLOCKS, INT8, F32, True, INTERPRET)
@@ -236,8 +260,9 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
             k_cos = tl.load(cos_ptr + u[:, None] * (D // 2) + half[None, :], mask=new[:, None], other=1.0)
             k_sin = tl.load(sin_ptr + u[:, None] * (D // 2) + half[None, :], mask=new[:, None], other=0.0)
             k_ptrs = qkv_ptr + u[:, None] * stride + (H + kv_head) * D + half[None, :]
-            k1, k2 = _rope(tl.load(k_ptrs, mask=new[:, None], other=0.0),
-                           tl.load(k_ptrs + D // 2, mask=new[:, None], other=0.0), k_cos, k_sin, dtype)
+            k1, k2 = _head_norm(tl.load(k_ptrs, mask=new[:, None], other=0.0),
+                                tl.load(k_ptrs + D // 2, mask=new[:, None], other=0.0), kw_ptr, eps, 1, NORM, OFFSET)
+            k1, k2 = _rope(k1, k2, k_cos, k_sin, dtype)
             k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
             v = tl.load(qkv_ptr + u[:, None] * stride + (H + H // G + kv_head) * D + d[None, :],
                         mask=new[:, None], other=0.0).to(tl.float32)
@@ -312,7 +337,7 @@ def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> b
             and head_dim & (head_dim - 1) == 0)
 
 
-def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, launch):
+def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, launch, qk_norm=None):
     n_kv, max_len, d = k.shape[1:]
     tokens = qkv.shape[0] if qkv.dim() == 2 else 1
     n_heads = qkv.shape[-1] // d - 2 * n_kv
@@ -331,7 +356,9 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, lau
                   D=d, BLOCK_S=block, NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8,
                   F32=dtype == torch.float32 or interpret, INTERPRET=interpret, PDL=pdl,
                   num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl)
-    args = (qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads)
+    q_weight, k_weight, eps, offset = qk_norm or (cos, cos, 0.0, 0.0)  # (cos: an unread pointer)
+    common.update(NORM=qk_norm is not None, OFFSET=float(offset))
+    args = (qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads, q_weight, k_weight, eps)
     window = min(window or max_len, max_len)
     if tokens == 1:
         launch(_split_kernel)[(n_kv, splits)](*args, window, G=group, G_PAD=max(16, triton.next_power_of_2(group)),
@@ -348,46 +375,57 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, lau
 
 
 if triton is not None:  # opaque custom ops, as the GEMVs (kernels/gemv.py)
+    def _norm(q_weight, k_weight, eps, offset):
+        return None if q_weight is None else (q_weight, k_weight, eps, offset)
+
     @torch.library.custom_op("brisklm::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor, input_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _direct)  # no scales to read
+                             v: torch.Tensor, input_pos: torch.Tensor, window: int, scale: float,
+                             q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                             offset: float) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _direct,  # no scales to read
+                       _norm(q_weight, k_weight, eps, offset))
 
     @_decode_attention_op.register_fake
-    def _(qkv, cos, sin, k, v, input_pos, window, scale):
+    def _(qkv, cos, sin, k, v, input_pos, window, scale, q_weight, k_weight, eps, offset):
         return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _shapes_only)
 
     @torch.library.custom_op("brisklm::decode_attention_int8", mutates_args=("k", "v", "k_scale", "v_scale"))
     def _decode_attention_int8_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                                  input_pos: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _direct)
+                                  input_pos: torch.Tensor, window: int, scale: float,
+                                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                                  offset: float) -> torch.Tensor:
+        return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _direct,
+                       _norm(q_weight, k_weight, eps, offset))
 
     @_decode_attention_int8_op.register_fake
-    def _(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale):
+    def _(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, q_weight, k_weight, eps, offset):
         return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _shapes_only)
 
 
 def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
-                     window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                     window: int | None = None, scale: float | None = None, qk_norm=None) -> torch.Tensor:
     """The attention of T (up to MAX_TOKENS) new tokens at positions
-    input_pos[0].. : RoPE on their queries and keys, their keys and values
-    stored in the cache, then causal attention, each over positions
-    0..its own (with a sliding window, the last `window` of them).
+    input_pos[0].. : per-head norms of their queries and keys (qk_norm), RoPE
+    on them, their keys and values stored in the cache, then causal
+    attention, each over positions 0..its own (with a sliding window, the
+    last `window` of them).
 
     qkv: the tokens' projections, (H + 2 Hkv) * D for one token or
     (T, (H + 2 Hkv) * D), q heads, then k, then v, before RoPE; cos, sin:
     (D/2,) or (T, D/2) fp32 for those positions; k, v: the cache
     (1, Hkv, S, D) in qkv's dtype, or int8 codes with k_scale, v_scale
     (1, Hkv, S, 1), written in place; scale: the scores' factor (default
-    D**-0.5). Returns (1, T, H * D) in qkv's dtype."""
+    D**-0.5); qk_norm: None, or (q weight (D,), k weight (D,), eps, offset)
+    of RMSNorms over each head (offset: Gemma's 1 + w). Returns (1, T, H * D)
+    in qkv's dtype."""
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    ops = qkv.is_cuda
     window, scale = window or 0, scale or 0.0
+    if not qkv.is_cuda:
+        return _launch(qkv, cos, sin, k, v, k if k_scale is None else k_scale, v if v_scale is None else v_scale,
+                       input_pos, window, scale, _direct, qk_norm)
+    norm = qk_norm or (None, None, 0.0, 0.0)
     if k_scale is None:
-        if ops:
-            return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window, scale)
-        return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _direct)
-    if ops:
-        return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale)
-    return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _direct)
+        return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window, scale, *norm)
+    return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, *norm)
