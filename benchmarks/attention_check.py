@@ -146,7 +146,8 @@ def main():
     equal, worst = check_qk_norm()
     print(f"\nq/k norms in the kernel against RMSNorm first: stored keys equal {equal:.4f}, "
           f"output relative difference {worst:.1e}", flush=True)
-X
+    # (the kernel's rsqrt and torch's may differ in the last bit of fp32 and round a few keys apart)
+    assert equal > 0.95 and worst < 5e-3, (equal, worst)
     print("\n| kv | cache size | filled | us | GB/s of the filled cache |\n| --- | --- | --- | --- | --- |")
     for int8 in (False, True):
         for S, length in ((256, 5), (33000, 5), (33000, 1024), (33000, 8192), (33000, 32768)):
