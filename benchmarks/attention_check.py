@@ -115,7 +115,7 @@ def check_qk_norm(h=32, hkv=8, d=128, S=1024):
             cos, sin = angles.cos(), angles.sin()
             pos = torch.tensor([100], device="cuda")
             outs, filled = [], make(h, hkv, d, S, False)
-            for x, qk_norm in ((qkv, (norms[0].weight, norms[1].weight, 1e-6, offset)), (normed, None)):
+            for x, qk_norm in ((qkv, (norms[0].weight, norms[1].weight, 1e-6, offset)), (normed, attention.NO_NORM)):
                 cache = copy.deepcopy(filled)
                 y = decode_attention(x if tokens > 1 else x[0], cos if tokens > 1 else cos[0],
                                      sin if tokens > 1 else sin[0], cache.k, cache.v, pos, qk_norm=qk_norm)

@@ -118,10 +118,9 @@ class FusedAttention(Attention):
         if not self.rope:  # (a layer without RoPE, SmolLM3's: the identity rotation)
             cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         qkv = self.wqkv(x).reshape(T, -1)
-        qk_norm = None
+        qk_norm = attention_kernel.NO_NORM
         if hasattr(self, "q_norm"):
-            q_norm, k_norm = self.q_norm, self.k_norm
-            qk_norm = (q_norm.weight, k_norm.weight, q_norm.eps, q_norm.offset)
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
         y = attention_kernel.decode_attention(qkv, cos.reshape(T, -1), sin.reshape(T, -1), cache.k, cache.v,
                                               input_pos, *scales, window=self.window, scale=self.scale,
                                               qk_norm=qk_norm)

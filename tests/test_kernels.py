@@ -483,7 +483,7 @@ for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
                     normed = torch.cat([q_norm(q.reshape(tokens, H, D)).reshape(tokens, -1),
                                         k_norm(k.reshape(tokens, HKV, D)).reshape(tokens, -1), v], dim=-1)
                 outs = []
-                for x, norm in ((qkv, (q_norm.weight, k_norm.weight, 1e-6, offset)), (normed, None)):
+                for x, norm in ((qkv, (q_norm.weight, k_norm.weight, 1e-6, offset)), (normed, attention.NO_NORM)):
                     cache = KVCache(1, HKV, 48, D, dtype, "cpu", int8)
                     scales = (cache.k_scale, cache.v_scale) if int8 else (None, None)
                     one = (lambda t: t[0]) if tokens == 1 else (lambda t: t)

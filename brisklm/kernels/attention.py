@@ -164,7 +164,8 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
 
     @triton.jit
     def _split_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H,
-                      qw_ptr, kw_ptr, eps, WINDOW, NORM: tl.constexpr, OFFSET: tl.constexpr, QK_SCALE: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      qw_ptr, kw_ptr, eps, WINDOW, NORM: tl.constexpr, OFFSET: tl.constexpr, QK_SCALE: tl.constexpr,
+                      G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                       BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                       INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
@@ -221,7 +222,8 @@ if triton is not None:  # without triton (CPU wheels) only supported() is used, 
 
     @triton.jit
     def _rows_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, o_ptr, lse_ptr, S, H,
-                     qw_ptr, kw_ptr, eps, T, WINDOW, NORM: tl.constexpr, OFFSET: tl.constexpr, QK_SCALE: tl.constexpr, G: tl.constexpr, QROWS: tl.constexpr, T_PAD: tl.constexpr,
+                     qw_ptr, kw_ptr, eps, T, WINDOW, NORM: tl.constexpr, OFFSET: tl.constexpr, QK_SCALE: tl.constexpr,
+                     G: tl.constexpr, QROWS: tl.constexpr, T_PAD: tl.constexpr,
                      D: tl.constexpr, BLOCK_S: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
                      INT8: tl.constexpr, F32: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         """_split_kernel for T new tokens at positions pos..pos+T-1 (a
@@ -325,6 +327,9 @@ def num_splits(max_seq_length: int) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(max_seq_length, POSITIONS_PER_SPLIT)))
 
 
+# decode_attention's qk_norm where the model has no q/k norms: (q weight, k weight, eps, offset)
+NO_NORM = (None, None, 0.0, 0.0)
+
 # The most new tokens a step may bring (a verify step's drafts + 1; a short prompt).
 MAX_TOKENS = 16
 
@@ -337,7 +342,7 @@ def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> b
             and head_dim & (head_dim - 1) == 0)
 
 
-def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, launch, qk_norm=None):
+def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, launch, qk_norm=NO_NORM):
     n_kv, max_len, d = k.shape[1:]
     tokens = qkv.shape[0] if qkv.dim() == 2 else 1
     n_heads = qkv.shape[-1] // d - 2 * n_kv
@@ -356,8 +361,9 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, lau
                   D=d, BLOCK_S=block, NUM_SPLITS=splits, MAX_BLOCKS=max_blocks, INT8=int8,
                   F32=dtype == torch.float32 or interpret, INTERPRET=interpret, PDL=pdl,
                   num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl)
-    q_weight, k_weight, eps, offset = qk_norm or (cos, cos, 0.0, 0.0)  # (cos: an unread pointer)
-    common.update(NORM=qk_norm is not None, OFFSET=float(offset))
+    q_weight, k_weight, eps, offset = qk_norm
+    common.update(NORM=q_weight is not None, OFFSET=float(offset))
+    q_weight, k_weight = (cos, cos) if q_weight is None else (q_weight, k_weight)  # (cos: an unread pointer)
     args = (qkv, cos, sin, k, v, k_scale, v_scale, input_pos, partial, lse, max_len, n_heads, q_weight, k_weight, eps)
     window = min(window or max_len, max_len)
     if tokens == 1:
@@ -375,16 +381,13 @@ def _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, lau
 
 
 if triton is not None:  # opaque custom ops, as the GEMVs (kernels/gemv.py)
-    def _norm(q_weight, k_weight, eps, offset):
-        return None if q_weight is None else (q_weight, k_weight, eps, offset)
-
     @torch.library.custom_op("brisklm::decode_attention", mutates_args=("k", "v"))
     def _decode_attention_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, input_pos: torch.Tensor, window: int, scale: float,
                              q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                              offset: float) -> torch.Tensor:
         return _launch(qkv, cos, sin, k, v, k, v, input_pos, window, scale, _direct,  # no scales to read
-                       _norm(q_weight, k_weight, eps, offset))
+                       (q_weight, k_weight, eps, offset))
 
     @_decode_attention_op.register_fake
     def _(qkv, cos, sin, k, v, input_pos, window, scale, q_weight, k_weight, eps, offset):
@@ -397,7 +400,7 @@ if triton is not None:  # opaque custom ops, as the GEMVs (kernels/gemv.py)
                                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                                   offset: float) -> torch.Tensor:
         return _launch(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, _direct,
-                       _norm(q_weight, k_weight, eps, offset))
+                       (q_weight, k_weight, eps, offset))
 
     @_decode_attention_int8_op.register_fake
     def _(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, q_weight, k_weight, eps, offset):
@@ -405,7 +408,7 @@ if triton is not None:  # opaque custom ops, as the GEMVs (kernels/gemv.py)
 
 
 def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
-                     window: int | None = None, scale: float | None = None, qk_norm=None) -> torch.Tensor:
+                     window: int | None = None, scale: float | None = None, qk_norm=NO_NORM) -> torch.Tensor:
     """The attention of T (up to MAX_TOKENS) new tokens at positions
     input_pos[0].. : per-head norms of their queries and keys (qk_norm), RoPE
     on them, their keys and values stored in the cache, then causal
@@ -417,15 +420,14 @@ def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
     (D/2,) or (T, D/2) fp32 for those positions; k, v: the cache
     (1, Hkv, S, D) in qkv's dtype, or int8 codes with k_scale, v_scale
     (1, Hkv, S, 1), written in place; scale: the scores' factor (default
-    D**-0.5); qk_norm: None, or (q weight (D,), k weight (D,), eps, offset)
-    of RMSNorms over each head (offset: Gemma's 1 + w). Returns (1, T, H * D)
+    D**-0.5); qk_norm: (q weight (D,), k weight (D,), eps, offset) of
+    RMSNorms over each head (offset: Gemma's 1 + w), NO_NORM for none. Returns (1, T, H * D)
     in qkv's dtype."""
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     window, scale = window or 0, scale or 0.0
     if not qkv.is_cuda:
         return _launch(qkv, cos, sin, k, v, k if k_scale is None else k_scale, v if v_scale is None else v_scale,
                        input_pos, window, scale, _direct, qk_norm)
-    norm = qk_norm or (None, None, 0.0, 0.0)
     if k_scale is None:
-        return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window, scale, *norm)
-    return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, *norm)
+        return _decode_attention_op(qkv, cos, sin, k, v, input_pos, window, scale, *qk_norm)
+    return _decode_attention_int8_op(qkv, cos, sin, k, v, k_scale, v_scale, input_pos, window, scale, *qk_norm)
