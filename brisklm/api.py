@@ -347,20 +347,26 @@ class LLM:
             for _ in self.stream_ids(prompt_ids, 2, stop_ids=(), **sampling):
                 pass
             if speculative:  # its compiled steps: a verify step's padded rows, a one-token draft step
-                self._warm_speculative(prompt_ids)
+                self.warm_speculative(prompt_ids)
         gen.reset()
         if gen.compiled:
             mark_compiled(gen.compile_path)
         return time.perf_counter() - t0
 
-    @torch.no_grad()  # (as generation runs the steps: a compiled step guards on grad mode)
-    def _warm_speculative(self, prompt_ids: list[int]):
-        gen = self.generator
-        gen.verify_rows = self.draft_tokens + 1
-        gen.logits((prompt_ids * gen.verify_rows)[:gen.verify_rows], 0)
-        model = getattr(self.drafter, "model", None)
-        if model is not None:
-            gen.logits(prompt_ids[:1], 0, model=model, last=0, depth=self.drafter.depth)
+    def warm_speculative(self, prompt_ids: list[int], drafter=None, draft_tokens: int | None = None):
+        """Compile speculative decoding's steps for `drafter` (default: this
+        LLM's) and record their CUDA graphs, each run three times (compiled,
+        warmed, recorded), so that no step of a timed or served run pays for
+        that: the verify step's padded rows and a model drafter's one-token step."""
+        gen, drafter = self.generator, drafter or self.drafter
+        if drafter is None or gen._rows is None:
+            return
+        gen.verify_rows = (draft_tokens or self.draft_tokens) + 1
+        model = getattr(drafter, "model", None)
+        for _ in range(3):
+            gen.logits((prompt_ids * gen.verify_rows)[:gen.verify_rows], 0)
+            if model is not None:
+                gen.logits(prompt_ids[:1], 0, model=model, last=0, depth=drafter.depth)
 
     def score(self, ids: list[int], top: int = 0, start: int = 1) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """log p(ids[i] | ids[:i]) for i = start.., and at each of those

@@ -142,6 +142,7 @@ def speculative_figures(llm, kind: str, draft_tokens: int, draft_layers, new_tok
     gen = llm.generator
     spec = draft_model if kind == "draft" else drafter(llm.model, kind, draft_tokens, draft_layers)
     out = {"kind": kind, "draft_tokens": draft_tokens, "prompt": what, "prompt_tokens": len(ids)}
+    llm.warm_speculative(ids, spec, draft_tokens)  # (no timed run compiles or records a step)
     for name, d in (("plain", None), ("speculative", spec)):
         rates, steps, tokens = [], [], None
         for run in range(samples + 1):  # (the first run warms up)

@@ -410,6 +410,7 @@ class Generator:
         token = run(self.model, new, pos, params, kv_len=kv_len, last=last)
         return token.clone() if graphed else token
 
+    @torch.no_grad()  # (as generation runs it: a compiled step guards on grad mode)
     def logits(self, ids: list[int], start: int, model: Transformer | None = None, last: int | None = None,
                depth: int | None = None) -> torch.Tensor:
         """Logits (1, len(ids), V) of ids (a list, or one token as a (1,)

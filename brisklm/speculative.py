@@ -231,7 +231,10 @@ class DraftPolicy:
         and the seconds they took."""
         seconds /= steps
         old = self.cost.get(proposed)
-        self.cost[proposed] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        # A step slower than its cost so far moves it by a fifth (one far slower
+        # is mostly one-off work: a compile, a CUDA graph's recording); a faster
+        # one is its cost from now on.
+        self.cost[proposed] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
         if not proposed:
             self.since_probe += steps
             return

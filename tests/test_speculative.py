@@ -280,6 +280,16 @@ def test_the_draft_policy_keeps_its_step_costs_across_runs():
     assert chosen == [1, 4, 4, 4, 4]  # (no plain step spent measuring again)
 
 
+def test_a_step_slowed_by_a_compile_does_not_keep_the_policy_from_drafting():
+    """The first step with a draft can include compiling the draft step (500
+    steps' time here): the next normal step's time is the cost again."""
+    policy = DraftPolicy(4)
+    assert policy.choose(room=100) == 1
+    policy.update(1, 1, 500.0)
+    chosen, rate = run_policy(policy, 1.0, lambda k: 1.0 + 0.05 * k, 20)
+    assert chosen[2:] == [4] * 18 and rate > 3.5, chosen
+
+
 def test_the_draft_policy_drafts_as_much_as_pays():
     chosen, rate = run_policy(DraftPolicy(4), 1.0, lambda k: 1.0 + 0.05 * k, 50)  # prompt lookup on a copy
     assert chosen[2:] == [4] * 48 and rate > 4
