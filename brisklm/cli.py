@@ -274,7 +274,7 @@ def cmd_generate(args):
             f"bandwidth achieved {s.bandwidth_gb_s:.2f} GB/s"
             + (f", {s.tokens_per_step:.2f} tokens a target step (--speculate {args.speculate})"
                if s.target_steps else ""), args.quiet)
-        if profiling:
+        if profiling and int(os.environ.get("RANK", "0")) == 0:  # (tensor-parallel: the first rank's)
             prof.export_chrome_trace(args.profile)
             log(f"Profile written to {args.profile}", args.quiet)
     mean = sum(rates) / len(rates)

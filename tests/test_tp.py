@@ -184,3 +184,20 @@ def test_brisk_serve_under_torchrun_is_one_line():
                           env={**ENV, "WORLD_SIZE": "2"}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip() == "error: brisk serve does not run tensor-parallel yet (generate, chat and bench do)"
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_profile_holds_the_all_reduces_tp_scaling_counts(tmp_path):
+    """`brisk generate --tp 2 --profile` writes the first rank's trace, in
+    which benchmarks/tp_scaling.py finds the all-reduce time (gloo's spans on
+    CPUs: two a layer a token)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from tp_scaling import collective_ms
+    trace = tmp_path / "trace.json"
+    done = brisk("generate", "--preset", "tiny-moe", "--device", "cpu", "--max_new_tokens", "6", "--tp", "2",
+                 "--profile", str(trace))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert collective_ms(str(trace)) > 0
+    with open(trace) as f:
+        spans = [e for e in json.load(f)["traceEvents"] if e.get("name") == "gloo:all_reduce"]
+    assert len(spans) >= 2 * 2 * 6, len(spans)  # (tiny-moe: 2 layers)
