@@ -76,13 +76,13 @@ def measure(model: str, mode: str, gguf: str, device: str = "cuda") -> dict:
     ids = _prompt(35, vocab, seed=1)
     gen.reset()
     padded = list(gen.tokens(ids, 32, SamplingParams()))
-    graphs, gen.graphed_prefill = gen.graphed_prefill, None
+    graphs, gen.steps.graphed_prefill = gen.steps.graphed_prefill, None
     gen.reset()
     plain = list(gen.tokens(ids, 32, SamplingParams()))
-    gen.graphed_prefill = graphs
+    gen.steps.graphed_prefill = graphs
     same = next((i for i, (a, b) in enumerate(zip(padded, plain)) if a != b), len(plain))
     check = {"graphed_prefill_same_greedy_tokens": f"{same}/{len(plain)}"}
-    if gen.graphed:  # the replayed step gives the tokens the op-by-op step gives
+    if gen.steps.graphed:  # the replayed step gives the tokens the op-by-op step gives
         from brisklm.generate import Generator
         ids = _prompt(35, vocab, seed=1)
         gen.reset()
@@ -92,7 +92,7 @@ def measure(model: str, mode: str, gguf: str, device: str = "cuda") -> dict:
         check["greedy_equals_op_by_op"] = (replayed == list(plain.tokens(ids, 64, SamplingParams())))
     return {**check, "decode": rate, "min": min(rates), "max": max(rates), "fraction": per_token * rate / ceiling / 1e9,
             "ceiling_gb_s": ceiling, "ttft_ms": ttft, "first_run_s": first_run,
-            "cache": gen.max_seq_length, "compiled": gen.compiled, "graphed": gen.graphed,
+            "cache": gen.max_seq_length, "compiled": gen.steps.compiled, "graphed": gen.steps.graphed,
             "torch": torch.__version__}
 
 

@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--no_compile", action="store_true", help="the uncompiled verify step (graphed)")
     ap.add_argument("--own_graph", action="store_true",
                     help="the compiled verify step without inductor's CUDA graphs, captured and replayed by "
-                         "generate.replayed instead (no guards or graph-tree checks on the host per call)")
+                         "steps.replayed instead (no guards or graph-tree checks on the host per call)")
     ap.add_argument("--profile", action="store_true",
                     help="profile 10 verify steps of K = rows - 1 drafts: wall time against the GPU's busy time "
                          "per step, the top kernels and the top host ops")
@@ -85,11 +85,11 @@ def main():
                        quiet=False)  # (the cache brisk generate makes: its compiled step is shared)
     gen = llm.generator
     if opts.no_compile:
-        gen._rows = None
+        gen.steps.rows = None
     if opts.own_graph:
-        from brisklm.generate import OnePassReductions, replayed, rows_logits
+        from brisklm.steps import OnePassReductions, replayed, rows_logits
         options = {"triton.cudagraphs": False, "triton.enable_pdl": True, "inductor_choices_class": OnePassReductions}
-        gen._rows = replayed(torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options))
+        gen.steps.rows = replayed(torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options))
     prompt = torch.randint(0, llm.model.args.vocab_size, (opts.start,), generator=torch.Generator().manual_seed(0))
     ids = prompt.tolist()
     rates = []
@@ -100,7 +100,7 @@ def main():
     step_ms = 1e3 / statistics.median(rates)
     rows = []
     for padded in [int(r) for r in opts.rows.split(",")]:
-        gen.verify_rows = padded
+        gen.steps.verify_rows = padded
         t0 = time.perf_counter()
         gen.logits(ids[:2], opts.start)  # (the first call compiles)
         print(f"verify step of {padded} rows ready in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -22,7 +22,6 @@ from .errors import BriskError
 from .generate import Generator
 from .model import Transformer, build_model, canonical_names, kv_bytes_per_position, random_state_dict
 from .modes import LOAD_MODES, RTN_MODES
-from .precompile import compiled_before, mark_compiled
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -32,12 +31,11 @@ def default_device() -> str:
 
 
 def default_compile(device) -> bool:
-    """Whether the steps are compiled when the caller does not say. On CUDA,
-    yes: the compiled decode step is one CUDA graph of fused kernels, and the
-    compiled prefill saves most of a short prompt's time to first token; the
-    cold compile is cached on disk. On CPUs, no: a cold compile (80-90 s on 2
-    cores, 8-10 s warm) costs more than a typical short generation gains
-    (SmolLM2: ~100 against ~120 tokens/s)."""
+    """Whether the decode step is compiled when the caller does not say. On
+    CUDA, yes: one TransformerBlock is compiled and shared by every layer
+    (steps.py), inside the CUDA graph of the step. On CPUs, no: a cold
+    compile of the whole step (80-90 s on 2 cores, 8-10 s warm) costs more
+    than a typical short generation gains (SmolLM2: ~100 against ~120 tokens/s)."""
     return torch.device(device).type == "cuda"
 
 
@@ -80,6 +78,28 @@ def step(start: str, done: str, quiet: bool = False):
     log(f"{start}...", quiet)
     yield
     log(f"{done} in {time.perf_counter() - t0:.1f} s", quiet)
+
+
+@contextlib.contextmanager
+def quiet_compiler():
+    """The compiler's warnings and log lines kept from the user inside this
+    block, unless BRISKLM_VERBOSE=1 asks for them."""
+    if os.environ.get("BRISKLM_VERBOSE") == "1":
+        yield
+        return
+    import logging
+    import warnings
+    loggers = [logging.getLogger(name) for name in ("torch._dynamo", "torch._inductor", "torch.fx")]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def gguf_blocks_to_keep(device, fused_kernels: bool = True) -> str:
@@ -319,54 +339,50 @@ class LLM:
         """Whether the prompt and max_new_tokens fit the KV cache."""
         return len(prompt_ids) + max_new_tokens <= self.generator.max_seq_length
 
-    def warm_up(self, prompt_ids: list[int], quiet: bool = True, **sampling) -> float:
-        """Run the decode step once on prompt_ids with these sampling settings
-        (a compiled step specializes on them), saying what it costs first:
-        compiling it, or loading it from the compiler's cache; uncompiled on
-        CUDA, building Triton's kernels and capturing the CUDA graph. Returns
-        the seconds taken (0 when there is nothing to prepare)."""
+    def warm_up(self, prompt_ids: list[int] | None = None, quiet: bool = True, **sampling) -> float:
+        """Compile and capture every step a request can need (steps.Steps.warm_up:
+        greedy and sampled decoding, every prefill bucket; with speculation, its
+        verify and draft steps), saying what it costs first, so that no request
+        waits for the compiler. Returns the seconds taken (0 when there is
+        nothing to prepare). prompt_ids and sampling: kept for callers that
+        pass them; every setting is warmed alike."""
         gen = self.generator
-        if not (gen.compiled or gen.graphed):
+        steps = gen.steps
+        if steps.warm or not (steps.compiled or steps.graphed or steps.graphed_prefill):
             return 0.0
-        warm = gen.compiled and compiled_before(gen.compile_path)
-        if gen.graphed:
-            start, done = "Preparing the decode step (Triton kernels, CUDA graph)", "Prepared"
-        elif warm:
-            start, done = "Loading the compiled decode step from the compiler's cache", "Loaded the compiled step"
-        elif gen.device.type == "cpu":
-            start, done = ("Compiling the decode step: about 1.5 minutes on 2 CPU cores, ~10 s at later starts "
-                           "(the compiler's cache); on CPUs it pays off only for long generations", "Compiled")
+        if steps.block is not None:
+            start = "Compiling one layer's step (the first time: ~10-30 s; then the compiler's cache) and capturing CUDA graphs"
+        elif steps.compiled and gen.device.type == "cpu":
+            start = ("Compiling the decode step: about 1.5 minutes on 2 CPU cores, ~10 s at later starts "
+                     "(the compiler's cache); on CPUs it pays off only for long generations")
+        elif steps.compiled:
+            start = "Compiling the decode step (minutes the first time; then the compiler's cache)"
         else:
-            start, done = ("Compiling the decode step and prefill: 2-3 minutes for an 8B model on an H200, "
-                           "10-20 s at later starts (the compiler's cache)", "Compiled")
-        speculative = self.drafter is not None and gen._rows is not None
-        if speculative and not warm:
-            start += "; then speculative decoding's verify and draft steps, as long again"
+            start = "Capturing the steps' CUDA graphs"
+        speculative = self.drafter is not None and (steps.block is not None or steps.rows is not None)
+        if speculative:
+            start += "; then speculative decoding's verify and draft steps"
         t0 = time.perf_counter()
-        with step(start, done, quiet):
-            for _ in self.stream_ids(prompt_ids, 2, stop_ids=(), **sampling):
-                pass
-            if speculative:  # its compiled steps: a verify step's padded rows, a one-token draft step
-                self.warm_speculative(prompt_ids)
+        with step(start, "Ready", quiet), quiet_compiler(), torch.no_grad():
+            graphs = steps.warm_up([None, SamplingParams(temperature=1.0).on(gen.device)])
+            if speculative:
+                self.warm_speculative(prompt_ids or [0])
         gen.reset()
-        if gen.compiled:
-            mark_compiled(gen.compile_path)
+        steps.warm = True
+        log(f"  ({graphs} CUDA graphs captured)", quiet or not graphs)
         return time.perf_counter() - t0
 
     def warm_speculative(self, prompt_ids: list[int], drafter=None, draft_tokens: int | None = None):
         """Compile speculative decoding's steps for `drafter` (default: this
-        LLM's) and record their CUDA graphs, each run three times (compiled,
-        warmed, recorded), so that no step of a timed or served run pays for
-        that: the verify step's padded rows and a model drafter's one-token step."""
+        LLM's) and record their CUDA graphs (steps.Steps.warm_speculative), so
+        that no step of a timed or served run pays for that."""
         gen, drafter = self.generator, drafter or self.drafter
-        if drafter is None or gen._rows is None:
+        if drafter is None or (gen.steps.block is None and gen.steps.rows is None):
             return
-        gen.verify_rows = (draft_tokens or self.draft_tokens) + 1
-        model = getattr(drafter, "model", None)
-        for _ in range(3):
-            gen.logits((prompt_ids * gen.verify_rows)[:gen.verify_rows], 0)
-            if model is not None:
-                gen.logits(prompt_ids[:1], 0, model=model, last=0, depth=drafter.depth)
+        depth = getattr(drafter, "depth", None)
+        draft = getattr(drafter, "model", None) if depth is None else None
+        with torch.no_grad():
+            gen.steps.warm_speculative((draft_tokens or self.draft_tokens) + 1, prompt_ids, draft, depth)
 
     def score(self, ids: list[int], top: int = 0, start: int = 1) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """log p(ids[i] | ids[:i]) for i = start.., and at each of those
@@ -501,7 +517,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
          quantize: str | None = "auto", groupsize: int = 128, kv_int8: bool = False,
          allow_long_context: bool = False, speculate: str | None = None, draft_tokens: int = 4,
          draft_layers: int | None = None, draft_checkpoint_path: str | None = None,
-         draft_quantize: str | None = None, draft_preset: str | None = None, fused_kernels: bool = True, tensor_parallel: bool | None = None) -> LLM:
+         draft_quantize: str | None = None, draft_preset: str | None = None, fused_kernels: bool = True, tensor_parallel: bool | None = None,
+         warm_up: bool = True) -> LLM:
     """Load a checkpoint (HF folder, GGUF file, native folder; None = bundled default)
     or, with preset=NAME, a model of that shape with random weights.
 
@@ -520,8 +537,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     kv_int8 stores the KV cache as int8 with a scale per position and head:
     half its memory, for long contexts, at some speed.
 
-    compile / compile_prefill: None (the default) compiles both on CUDA and
-    neither on CPUs (default_compile); compile_prefill follows compile.
+    compile: None (the default) compiles the decode step on CUDA and not on
+    CPUs (default_compile). compile_prefill: the prefill compiled with
+    dynamic shapes (off by default: a new length may compile again; on CUDA
+    a prompt of up to 256 new tokens is replayed from CUDA graphs anyway).
 
     speculate: "ngram" (prompt lookup: drafts copied from earlier in the
     prompt and output) or "self" (the model's first draft_layers layers draft
@@ -531,8 +550,10 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     shape, for benchmarks); each target forward then checks up to draft_tokens
     drafts, and the output is what plain decoding gives (greedy: token for
     token). Where decoding is compiled, so are the verify and one-token draft
-    steps; uncompiled on CUDA they are replayed from CUDA graphs
-    (Generator.logits).
+    steps; uncompiled on CUDA they are replayed from CUDA graphs (steps.py).
+
+    warm_up (the default) compiles and captures every step before returning
+    (LLM.warm_up), so that no request waits for the compiler.
 
     fused_kernels=False leaves out our Triton kernels on NVIDIA GPUs
     (fusion.fuse_for_decode): every step in PyTorch ops, to compare.
@@ -548,7 +569,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     device = usable_device(device or default_device())
     dtype = parse_dtype(dtype) or default_dtype(device)
     compile = default_compile(device) if compile is None else compile
-    compile_prefill = compile and default_compile(device) if compile_prefill is None else compile_prefill
+    compile_prefill = bool(compile_prefill)
     if compile_options:  # checked before loading, not at the first compile
         from torch._inductor import list_options
         unknown = sorted(set(compile_options) - set(list_options()))
@@ -648,7 +669,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
                          max_seq_length=llm.generator.max_seq_length, allow_long_context=True,
                          preset=draft_preset or (None if draft_checkpoint_path or path else preset), quiet=quiet,
                          quantize=draft_quantize or quantize, groupsize=groupsize, kv_int8=kv_int8,
-                         fused_kernels=fused_kernels)
+                         fused_kernels=fused_kernels, warm_up=False)
         theirs, ours = llm.draft.model.args.vocab_size, model.args.vocab_size
         if theirs != ours:
             raise BriskError(f"{llm.draft.name}: the draft model's vocabulary ({theirs} tokens) is not the "
@@ -657,4 +678,6 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         llm.drafter = ModelDrafter(llm.draft.model)
     elif draft_checkpoint_path or draft_quantize or draft_preset:
         raise BriskError("draft_checkpoint_path, draft_quantize and draft_preset need speculate='draft'")
+    if warm_up:  # (no request waits for the compiler)
+        llm.warm_up(quiet=quiet)
     return llm

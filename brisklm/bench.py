@@ -293,7 +293,7 @@ def run(opts) -> dict:
     draft_model, llm.drafter = llm.drafter, None  # (the decode figures are plain decoding's)
     result["tensor_parallel"] = llm.model.tensor_parallel and torch.distributed.get_world_size()
     result["fused_kernels"] = bool(llm.model.decode_kernels)
-    result["decode_attention_kernel"] = llm.model.decode_kernels.get("attention", False)
+    result["decode_attention_kernel"] = bool(llm.model.decode_kernels.get("attention"))
     if result["fused_kernels"] and not result["decode_attention_kernel"]:
         log("  decode attention takes the PyTorch path: the Triton kernel does not serve this model"
             + f" (head_dim {llm.model.args.head_dim})")

@@ -22,11 +22,11 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16)")
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the decode step, and on CUDA prefill (the default on CUDA, not on CPUs)")
+                   help="torch.compile the decode step (the default on CUDA, not on CPUs)")
     p.add_argument("--no_compile", dest="compile", action="store_false",
                    help="run the steps uncompiled (on CUDA the decode step is still replayed from a CUDA graph)")
     p.add_argument("--compile_prefill", action="store_true", default=None,
-                   help="torch.compile prefill too, dynamic shapes (default: on CUDA when compiling)")
+                   help="torch.compile prefill too, dynamic shapes (off by default: a new prompt length may compile again)")
     p.add_argument("--max_seq_length", type=_positive_int, default=None,
                    help="KV cache length (default: the model's context, capped by free memory)")
     p.add_argument("--allow_long_context", action="store_true",
@@ -206,7 +206,8 @@ def _load(args, quiet=False):
                 draft_tokens=getattr(args, "draft_tokens", 4), draft_layers=getattr(args, "draft_layers", None),
                 draft_checkpoint_path=getattr(args, "draft_checkpoint_path", None),
                 draft_quantize=getattr(args, "draft_quantize", None),
-                draft_preset=getattr(args, "draft_preset", None), fused_kernels=args.fused_kernels)
+                draft_preset=getattr(args, "draft_preset", None), fused_kernels=args.fused_kernels,
+                warm_up=False)  # (each command warms up once its input is checked)
 
 
 def _sampling(args) -> dict:

@@ -70,8 +70,8 @@ class FusedLinear(WeightFormat):
         w, norm = self.inner, self.norm
         if not gemv.available(x.device):
             return None
-        if isinstance(w, Linear):  # only where ours measured faster than cuBLAS
-            if not (x.is_cuda and gemv.beats_dense(self.out_features, self.in_features)):
+        if isinstance(w, Linear):  # only where ours measured faster than cuBLAS (bf16, fp16 weights)
+            if not (x.is_cuda and w.weight.element_size() == 2 and gemv.beats_dense(self.out_features, self.in_features)):
                 return None
             return gemv.scaled_gemv(x, w.weight, norm).sum(0)
         if isinstance(w, Int4WeightOnlyLinear):
@@ -194,6 +194,10 @@ def fuse_for_decode(model: Transformer) -> Transformer:
         if fused_attention:
             attn.__class__ = FusedAttention  # same state, the kernel's forward in front
     model.output, model.norm = fold(model.output, model.norm)
-    # (the tuned blocks are constants of a traced step: precompile keys on them)
-    model.decode_kernels = {"attention": fused_attention, "gemv": gemv.tuned()}
+    # A long prompt's prefill runs in chunks (steps.py); int4 weights in chunks
+    # that the few-rows kernel takes, which reads their codes once a chunk
+    # (measured faster than the 256-token chunks for int4, slower for int8).
+    int4 = any(isinstance(m, FusedLinear) and isinstance(m.inner, Int4WeightOnlyLinear) for m in model.modules())
+    model.decode_kernels = {"attention": attention_kernel.MAX_TOKENS if fused_attention else 0,
+                            "gemv": gemv.tuned(), "prefill_chunk": matmul.FEW_ROWS if int4 else 0}
     return model

@@ -521,8 +521,8 @@ class Transformer(nn.Module):
         self.output = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_seq_length = 0
         self.kv_int8 = False
-        # What fusion.fuse_for_decode swapped in, if anything: {"attention": True}
-        # when one token's attention reads the filled length on the device,
+        # What fusion.fuse_for_decode swapped in, if anything: {"attention": T}
+        # when the attention of up to T tokens reads the filled length on the device,
         # and the GEMVs' tuned blocks.
         self.decode_kernels: dict = {}
         self.tensor_parallel = None  # the process group, once tp.parallelize has split the model
@@ -564,7 +564,8 @@ class Transformer(nn.Module):
 
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor | None = None,
-                kv_len: int | None = None, block_mask: dict | None = None, depth: int | None = None):
+                kv_len: int | None = None, block_mask: dict | None = None, depth: int | None = None,
+                block=None):
         """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
         or (B, 1, V) for one position along T only, the index `last` (shape (1,),
         a tensor so that a CUDA graph of a padded prompt takes it as an input).
@@ -578,19 +579,24 @@ class Transformer(nn.Module):
         device and ignores both.)
 
         depth runs the first `depth` layers only, then the final norm and the
-        output layer: the target's own shallow draft (speculative.py)."""
+        output layer: the target's own shallow draft (speculative.py). block,
+        if given, runs each layer: block(layer, x, cos, sin, mask, input_pos)
+        (one compiled forward that every layer shares)."""
         ropes = {False: (self.rope_cos[input_pos], self.rope_sin[input_pos])}
         if hasattr(self, "rope_local_cos"):
             ropes[True] = (self.rope_local_cos[input_pos], self.rope_local_sin[input_pos])
         if block_mask is not None:
             masks = block_mask
+        elif idx.shape[1] <= self.decode_kernels.get("attention", 0):  # the kernel needs no mask
+            masks = dict.fromkeys(self.windows)
         else:  # causal: the query at position p sees keys 0..p (the last `window` of them)
             keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
             masks = {w: visible(input_pos[:, None], keys[None, :], w) for w in self.windows}  # (T, S)
         x = scale_embeddings(self.args, self.tok_embeddings(idx))  # (B, T, C)
         for layer in self.layers if depth is None else self.layers[:depth]:
             attention = layer.attention
-            x = layer(x, *ropes[attention.local_rope], masks[attention.window], input_pos)
+            args = (x, *ropes[attention.local_rope], masks[attention.window], input_pos)
+            x = block(layer, *args) if block else layer(*args)
         if last is not None:
             x = x.index_select(1, last)
         return self.output(self.norm(x)).float()

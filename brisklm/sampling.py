@@ -5,6 +5,11 @@ distributed as p (the "exponential race", equivalent to Gumbel-max), with no
 torch.multinomial and so no device-to-host sync. Filters follow the usual
 definitions: top-k keeps the k largest logits, top-p the smallest set whose
 probability reaches p, min-p drops tokens below min_p times the top probability.
+
+A step takes the settings as data, not as constants of its code: None for
+greedy, else one (4,) tensor (`SamplingParams.on`) in which a filter that is
+off holds its neutral value. Every filter always runs, so one compiled step
+(or CUDA graph) serves every temperature, top-k, top-p and min-p.
 """
 from __future__ import annotations
 
@@ -34,24 +39,40 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def on(self, device) -> torch.Tensor | None:
+        """The settings as a step takes them: None (greedy), or (4,) float32
+        [temperature, top_k, top_p, min_p], an unset filter at its neutral value."""
+        if self.greedy:
+            return None
+        top_p = self.top_p if self.top_p is not None and self.top_p < 1 else float("inf")
+        values = [self.temperature, self.top_k or float("inf"), top_p, self.min_p or 0.0]
+        return torch.tensor(values, dtype=torch.float32, device=device)
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(..., V) logits -> (..., V) probabilities after temperature and filters."""
-    logits = logits.float() / max(params.temperature, 1e-5)
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
+
+def as_settings(params, device) -> torch.Tensor | None:
+    return params.on(device) if isinstance(params, SamplingParams) else params
+
+
+def sorted_probs(logits: torch.Tensor, settings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., V) logits -> the probabilities after temperature and filters, in
+    descending order of the logits, and that order (..., V)."""
+    temperature, top_k, top_p, min_p = settings.unbind()
+    logits, order = (logits.float() / temperature.clamp(min=1e-5)).sort(dim=-1, descending=True)
+    # top-k keeps every logit equal to the k-th largest (ties included)
+    kth = (top_k.clamp(max=logits.shape[-1]).long() - 1).expand(*logits.shape[:-1], 1)
+    logits = logits.masked_fill(logits < logits.gather(-1, kth), -float("inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.min_p is not None and params.min_p > 0:
-        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    if params.top_p is not None and params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep a token if the mass strictly before it is below top_p (so the top one stays).
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    probs = probs.masked_fill(probs < min_p * probs[..., :1], 0.0)
+    # top-p: keep a token if the mass strictly before it is below top_p (so the top one stays)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), order
+
+
+def logits_to_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """(..., V) logits -> (..., V) probabilities after temperature and filters
+    (params: SamplingParams or its `on` tensor; not greedy)."""
+    probs, order = sorted_probs(logits, as_settings(params, logits.device))
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
 
 
 def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -67,10 +88,12 @@ def argmax(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     return (block * chunk + where.gather(-1, block)).squeeze(-1)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(B, V) logits -> (B,) int token ids, on the logits' device."""
-    if params.greedy:
+def sample(logits: torch.Tensor, params) -> torch.Tensor:
+    """(B, V) logits -> (B,) int token ids, on the logits' device. params:
+    SamplingParams, or its `on` form (None: greedy)."""
+    settings = as_settings(params, logits.device)
+    if settings is None:
         return argmax(logits)
-    probs = logits_to_probs(logits, params)
+    probs, order = sorted_probs(logits, settings)
     q = torch.empty_like(probs).exponential_(1)
-    return argmax(probs / q)
+    return order.gather(-1, argmax(probs / q)[:, None]).squeeze(-1)

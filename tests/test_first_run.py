@@ -67,7 +67,7 @@ def test_the_steps_are_compiled_by_default_on_cuda_only():
     assert parse().compile is None and parse().compile_prefill is None
     assert parse("--compile").compile is True and parse("--no_compile").compile is False
     gen = brisklm.load(preset="smollm2-135m", device="cpu", max_seq_length=64).generator
-    assert not gen.compiled and not gen.graphed
+    assert not gen.steps.compiled and not gen.steps.graphed
 
 
 @pytest.mark.slow

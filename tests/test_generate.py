@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from brisklm.generate import (PREFILL_BUCKETS, SHORT_REDUCTION_BLOCK, Generator, OnePassReductions, prefill_shape,
-                              weight_bytes_per_token)
+from brisklm.generate import Generator, weight_bytes_per_token
+from brisklm.steps import PREFILL_BUCKETS, SHORT_REDUCTION_BLOCK, OnePassReductions, prefill_shape
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams
 
@@ -74,7 +74,7 @@ def test_a_padded_prefill_generates_what_the_unpadded_one_does(args):
     follow cached ones and whose padding overwrote positions decode reuses."""
     model = tiny_model(args=args)
     plain, padded = Generator(model, 64), Generator(tiny_model(args=args), 64)
-    padded.graphed_prefill = padded._prefill  # (on CUDA: replayed(self._prefill))
+    padded.steps.graphed_prefill = padded.steps._prefill  # (on CUDA: replayed(forward))
     prompt = [3, 1, 4, 1, 5]
     for turn in range(3):
         a, b = list(plain.tokens(prompt, 7, GREEDY)), list(padded.tokens(prompt, 7, GREEDY))
@@ -250,133 +250,59 @@ def test_int8_kv_cache_on_the_real_model(smollm2_gguf):
     assert "Paris" in llm.generate("The capital of France is", max_new_tokens=8, temperature=0)
 
 
-PRECOMPILE_CHILD = r"""
-import torch
-from torch._dynamo.utils import counters
-import brisklm.generate as g
-from brisklm.model import ModelArgs, build_model, random_state_dict
-from brisklm.sampling import SamplingParams
-args = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
-model = build_model(args, random_state_dict(args, torch.float32, seed=0, std=0.3))
-# no flex attention: the path CUDA takes (its attention kernel reads the length; here
-# the plain attention covers the whole cache, masked)
-model.decode_kernels = {"attention": True}
-gen = g.Generator(model, 64, compile=True, compile_prefill=True)
-print("tokens", list(gen.tokens([1, 2, 3], 10, SamplingParams())),
-      list(gen.tokens([4, 5, 6, 7, 8], 5, SamplingParams())))  # another prompt length: no new trace
-print("hits", counters["dynamo_cache"]["dynamo_cache_hit"])
-print("traced", counters["stats"]["unique_graphs"])
-"""
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_after_warm_up_no_sampling_setting_or_prompt_length_compiles_again():
+    """The CPU's compiled step, warmed up (greedy and sampled): greedy, four
+    sampling settings, a new prompt length and a seed are served with no new
+    compile (Dynamo's count of the graphs it traced), and greedy gives the
+    tokens the eager step gives."""
+    from torch._dynamo.utils import counters
+    from brisklm.api import LLM
+    llm = LLM(tiny_model(), None, max_seq_length=64, compile=True)
+    llm.warm_up()
+    traced = counters["stats"]["unique_graphs"]
+    assert traced >= 2  # (greedy and sampled)
+    want = list(Generator(tiny_model(), 64).tokens([1, 2, 3], 8, GREEDY))
+    assert list(llm.stream_ids([1, 2, 3], 8, stop_ids=())) == want
+    for sampling in (dict(temperature=0.7), dict(temperature=0.9, top_p=0.95), dict(temperature=1.0, top_k=40),
+                     dict(temperature=0.8, min_p=0.05)):
+        assert len(list(llm.stream_ids([1, 2, 3], 6, stop_ids=(), seed=5, **sampling))) == 6
+    assert len(list(llm.stream_ids(list(range(1, 30)), 6, stop_ids=(), temperature=0.5, seed=2**40))) == 6
+    assert list(llm.stream_ids([1, 2, 3], 8, stop_ids=())) == want
+    assert counters["stats"]["unique_graphs"] == traced
 
 
 @pytest.mark.compile
 @pytest.mark.slow
-def test_compiled_decode_step_is_loaded_back_without_tracing(tmp_path):
-    """The second process loads the decode step and the dynamic-length prefill
-    that the first traced and compiled (Dynamo's output included), traces
-    nothing, and decodes the same tokens."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    runs = [subprocess.run([sys.executable, "-c", PRECOMPILE_CHILD], env=env, capture_output=True, text=True,
-                           timeout=600) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-    first, second = (dict(line.split(" ", 1) for line in run.stdout.splitlines()) for run in runs)
-    assert first["hits"] == "0" and second["hits"] == "2" and second["traced"] == "0"
-    assert first["tokens"] == second["tokens"]
-    saved, = (tmp_path / "brisklm").glob("decode-*.bin")
-    saved.write_bytes(b"not a cache")  # a damaged file costs nothing but time
-    third = subprocess.run([sys.executable, "-c", PRECOMPILE_CHILD], env=env, capture_output=True, text=True,
-                           timeout=600)
-    assert third.returncode == 0, third.stderr[-2000:]
-    assert dict(line.split(" ", 1) for line in third.stdout.splitlines())["tokens"] == first["tokens"]
-    # saving fails (torch's precompile is experimental): a marker, and the step compiled as usual
-    failing = "import torch\ntorch.compiler.save_cache_artifacts = lambda: 1 / 0\n" + PRECOMPILE_CHILD
-    fourth = subprocess.run([sys.executable, "-c", failing], env=dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "b")),
-                            capture_output=True, text=True, timeout=600)
-    assert fourth.returncode == 0, fourth.stderr[-2000:]
-    assert dict(line.split(" ", 1) for line in fourth.stdout.splitlines())["tokens"] == first["tokens"]
-    assert len(list((tmp_path / "b" / "brisklm").glob("decode-*.bin.broken"))) == 1
+def test_one_compiled_block_serves_every_layer():
+    """The block-compiled step (CUDA's default, steps.py): one compiled
+    TransformerBlock forward, traced once, runs every layer and gives the
+    plain forward's logits, for one token and for a verify step's rows."""
+    from torch._dynamo.utils import counters
+    from brisklm.steps import run_block
+    model = tiny_model(args=ModelArgs(**{**TINY.to_dict(), "num_hidden_layers": 4}))
+    model.setup_caches(1, 32)
+    block = torch.compile(run_block, fullgraph=True, dynamic=False)
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for ids in ([3, 1, 4, 1, 5], [9]):
+            start = 0 if len(ids) > 1 else 5
+            pos = torch.arange(start, start + len(ids))
+            want = model(torch.tensor([ids]), pos, kv_len=start + len(ids))
+            got = model(torch.tensor([ids]), pos, kv_len=start + len(ids), block=block)
+            assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] - before == 2  # (one per shape, not per layer)
 
 
-STALE_CHILD = """
-import os, sys, torch
-from brisklm.precompile import precompiled
-
-@torch.compiler.assume_constant_result  # as the GEMV table: a constant of the graph, not guarded
-def factor():
-    return float(os.environ["FACTOR"])
-
-def step(x):
-    return x * factor()
-
-fn = precompiled(step, {}, os.path.join(sys.argv[1], "step-" + os.environ["FACTOR"] + ".bin"))
-print(fn(torch.ones(3)).tolist())
-"""
-
-
-@pytest.mark.compile
-@pytest.mark.slow
-def test_a_step_traced_under_other_constants_is_not_loaded_back(tmp_path):
-    """torch's caching precompile keys what it saves by the function's name and
-    line only; a step compiled under another table must not come back from it,
-    while the step saved under the same table still does."""
-    import os
-    import subprocess
-    import sys
-
-    def run(factor, **more):
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), FACTOR=factor, **more)
-        done = subprocess.run([sys.executable, "-c", STALE_CHILD, str(tmp_path)], env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.strip()
-
-    assert run("2") == "[2.0, 2.0, 2.0]"
-    assert run("3") == "[3.0, 3.0, 3.0]"
-    assert run("2") == "[2.0, 2.0, 2.0]"  # loaded back from its own file
-    assert run("5", BRISKLM_PRECOMPILE="0") == "[5.0, 5.0, 5.0]"  # opted out: nothing saved
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-2.bin", "step-3.bin"]
-
-
-@pytest.mark.compile
-@pytest.mark.slow
-def test_a_step_saved_by_other_source_code_is_not_loaded_back(tmp_path, monkeypatch):
-    """A saved step was traced through our Python code, which it skips when
-    loaded: its file is keyed by a digest of the package's source, so another
-    version of the code (an edit, an upgrade) compiles and saves its own."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    import brisklm
-
-    def digest(root):
-        code = "from brisklm.precompile import source_digest; print(source_digest())"
-        done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(root)), cwd=root,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return done.stdout.strip()
-
-    package = os.path.dirname(brisklm.__file__)
-    for copy in ("a", "b"):
-        shutil.copytree(package, tmp_path / copy / "brisklm", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "b" / "brisklm" / "model.py", "a") as f:
-        f.write("\n# an edit\n")
-    assert digest(tmp_path / "a") == digest(tmp_path / "a")
-    assert digest(tmp_path / "a") != digest(tmp_path / "b")
-    from brisklm import precompile
-    args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2)
-    model = build_model(args, random_state_dict(args, torch.float32))
-    model.setup_caches(1, 16)
-    path = precompile.artifacts_path(model, {})
-    monkeypatch.setattr(precompile, "source_digest", lambda: "another version")
-    assert precompile.artifacts_path(model, {}) != path
+def test_prefill_shapes_lists_every_graph_a_prompt_can_need():
+    """The shapes warm_up captures are exactly those prefill_shape can give."""
+    from brisklm.steps import prefill_shapes
+    for length, kernel_tokens in ((64, 0), (100, 0), (300, 16)):
+        want = {prefill_shape(s, n, length, kernel_tokens) for n in range(1, 300) for s in range(length)} - {None}
+        assert set(prefill_shapes(length, kernel_tokens)) == want
+    assert prefill_shape(0, 5, 8192, kernel_tokens=16) == (16, None)  # the kernel reads the length itself
 
 
 def test_short_reductions_are_compiled_with_a_fixed_block(monkeypatch):
@@ -408,40 +334,16 @@ def test_short_reductions_are_compiled_with_a_fixed_block(monkeypatch):
     assert choices.uuid() != key
 
 
-DYNAMIC_FALLBACK_CHILD = """
-import contextlib, os, sys, torch
-from brisklm.precompile import precompiled
-
-def step(x):
-    return x * 2 + 1
-
-fn = precompiled(step, {}, os.path.join(sys.argv[1], "step.bin"), dynamic=True)
-print(fn(torch.ones(3)).tolist())
-patch = torch._dynamo.config.patch
-
-def failing(*args, **kwargs):  # as torch 2.11 failed on an H200: inside Dynamo, under caching_precompile
-    if kwargs.get("caching_precompile"):
-        raise AssertionError("")
-    return patch(*args, **kwargs)
-
-vars(torch._dynamo.config)["patch"] = failing  # (a config module refuses setattr)
-print(fn(torch.ones(5)).tolist())
-print(fn(torch.ones(7)).tolist())
-"""
 
 
-@pytest.mark.compile
-@pytest.mark.slow
-def test_a_recompile_that_fails_under_precompile_falls_back_to_a_plain_compile(tmp_path):
-    """A step compiled for several lengths (dynamic) recompiles under
-    caching_precompile for a new one; where that fails, the step is
-    compiled as usual, and a marker keeps the next start off precompile."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", DYNAMIC_FALLBACK_CHILD, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[:3] == [str([3.0] * 3), str([3.0] * 5), str([3.0] * 7)]
-    assert (tmp_path / "step.bin.broken").exists()
+def test_a_long_prompt_prefilled_in_chunks_generates_what_one_pass_does():
+    """A prompt longer than the largest bucket runs in chunks of it through the
+    padded (on CUDA: graphed) prefill; run here without graphs: the same
+    tokens as one pass, also after cached tokens."""
+    plain, chunked = Generator(tiny_model(), 600), Generator(tiny_model(), 600)
+    chunked.steps.graphed_prefill = chunked.steps._prefill
+    prompt = [(7 * i) % 61 for i in range(300)]
+    for turn in range(2):
+        a, b = list(plain.tokens(prompt, 6, GREEDY)), list(chunked.tokens(prompt, 6, GREEDY))
+        assert a == b, turn
+        prompt = prompt + a + [(3 * i) % 61 for i in range(270)]

@@ -44,3 +44,19 @@ def test_gemvs_match_fp64_at_every_preset_shape():
 
 def test_few_rows_matmul_matches_fp64_at_the_8b_shapes():
     assert "worst relative error" in run_script("few_rows.py", "--tokens", "2,17,64")
+
+
+def test_no_request_compiles_or_captures_after_the_start(tmp_path):
+    """The latency sequence (every sampling filter, a seed, stop ids, prompt
+    lengths 1 to 8000) on the default path: nothing raises, and no request
+    compiles or captures a graph once load() has returned (waits not checked:
+    a benchmark's business)."""
+    import json
+    out = tmp_path / "latency.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "latency.py"), "--preset",
+                           "smollm2-135m", "--json", str(out)], env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=1800)
+    assert out.exists(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["compiles_after_start"] == 0, result["requests"]
+    assert all(r["graphs_captured"] == 0 for r in result["requests"]), result["requests"]

@@ -7,7 +7,7 @@ import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "brisklm")
 
-CORE = {"model", "generate", "sampling", "speculative", "quantize", "gptq", "precompile", "modes", "errors", "tp"}
+CORE = {"model", "generate", "steps", "sampling", "speculative", "quantize", "gptq", "modes", "errors", "tp"}
 FUSION = {"fusion"}  # the GPU kernels applied to a built model: above the core, below the front ends
 FRONT = {"api", "cli", "bench", "chat", "evaluate", "harness", "tokenizer", "presets", "server", "__init__", "__main__"}
 

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from brisklm.generate import Generator, forward
+from brisklm.generate import Generator
+from brisklm.steps import forward
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams, logits_to_probs
 from brisklm.speculative import DraftPolicy, ModelDrafter, NgramDrafter
@@ -58,8 +59,8 @@ def test_padded_verify_and_draft_steps_give_the_plain_greedy_output(kind):
     which later steps overwrite before reading; a draft model's cache too."""
     plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128)
     rows = []  # (on CUDA both are replayed)
-    spec.graphed_forward = lambda model, idx, *a, **k: rows.append(idx.shape[1]) or forward(model, idx, *a, **k)
-    spec.graphed_prefill = spec._prefill
+    spec.steps.graphed_forward = lambda model, idx, *a, **k: rows.append(idx.shape[1]) or forward(model, idx, *a, **k)
+    spec.steps.graphed_prefill = spec.steps._prefill
     drafter = drafters(spec.model, kind)
     for prompt in PROMPTS:
         want = list(plain.tokens(prompt, 40, GREEDY))
@@ -320,8 +321,8 @@ def test_compiled_verify_and_draft_steps_give_the_plain_greedy_output():
     drafts + 1) and the one-token draft steps (Generator.logits), their
     attention reading only the cache blocks their positions see."""
     plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
-    compiled, shapes = spec._rows, []
-    spec._rows = lambda model, idx, *a, **k: shapes.append((model is spec.model, idx.shape[1])) or compiled(
+    compiled, shapes = spec.steps.rows, []
+    spec.steps.rows = lambda model, idx, *a, **k: shapes.append((model is spec.model, idx.shape[1])) or compiled(
         model, idx, *a, **k)
     for kind in ("ngram", "self", "model"):
         drafter = drafters(spec.model, kind)
@@ -377,7 +378,7 @@ def test_the_compiled_verify_and_draft_steps_in_bf16_give_the_eager_logits():
     args = ModelArgs(**{**TINY.to_dict(), "head_dim": 64})
     model = build_model(args, random_state_dict(args, torch.bfloat16, seed=0, std=0.3))
     gen = Generator(model, 1024, compile=True)  # (several blocks of the mask)
-    gen.verify_rows = 5
+    gen.steps.verify_rows = 5
     ids = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
     with torch.no_grad():
         gen.logits(ids[:6], 0)  # (prefix keys and values in the cache)

@@ -1,0 +1,138 @@
+"""What a request waits for, in one process with the defaults: the start
+(load and warm-up, compiler caches as the machine has them), then a sequence
+of requests that vary what users vary (prompt length, every sampling filter,
+a seed, stop ids, fp32 and bf16, quantized weights), each one's first wait
+against its steady time, with the compiles and graph captures it caused.
+
+    PYTHONPATH=. python3 benchmarks/latency.py --preset smollm2-135m [--dtype float32] [--quantize int4] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/latency.py --gguf SmolLM2.gguf
+
+Each request makes --new_tokens tokens from a fresh cache (random prompt
+ids, seeded by length). "first" is its first run in the process, "steady"
+the median of two more. A request passes when first <= 1.5 x steady + 20 ms
+(the goal of the latency issue). Then the decode speed of the default path:
+200 greedy tokens after 5, median of 3, with its fraction of the read
+ceiling measured in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+REQUESTS = [  # (name, prompt tokens, sampling)
+    ("greedy, 5 tokens", 5, {}),
+    ("greedy, 1 token", 1, {}),
+    ("17 tokens", 17, {}),
+    ("200 tokens", 200, {}),
+    ("temperature 0.7", 5, {"temperature": 0.7}),
+    ("temperature 0.9, top_p 0.95", 5, {"temperature": 0.9, "top_p": 0.95}),
+    ("top_k 40", 5, {"temperature": 0.8, "top_k": 40}),
+    ("min_p 0.05", 5, {"temperature": 0.8, "min_p": 0.05}),
+    ("all filters, seed 7", 5, {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.02, "seed": 7}),
+    ("greedy again", 5, {}),
+    ("64 tokens, temperature 0.7", 64, {"temperature": 0.7}),
+    ("256 tokens", 256, {}),
+    ("257 tokens (past the buckets)", 257, {}),
+    ("1000 tokens", 1000, {}),
+    ("4000 tokens", 4000, {}),
+    ("8000 tokens, top_p 0.9", 8000, {"temperature": 1.0, "top_p": 0.9}),
+    ("stop ids", 5, {"stop_ids": (1, 2, 3)}),
+]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset")
+    p.add_argument("--gguf")
+    p.add_argument("--dtype")
+    p.add_argument("--quantize", default="auto")
+    p.add_argument("--groupsize", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=8)
+    p.add_argument("--json")
+    p.add_argument("--profile", action="store_true", help="print where the start's time goes (cProfile)")
+    opts = p.parse_args()
+    if opts.profile:
+        import cProfile
+        import pstats
+        profile = cProfile.Profile()
+        profile.enable()
+
+    t0 = time.perf_counter()
+    import torch
+    from torch._dynamo.utils import counters
+
+    import brisklm
+    from brisklm.bench import _prompt, read_ceiling_gb_s
+    from brisklm.model import kv_bytes_per_position
+    llm = brisklm.load(opts.gguf, preset=opts.preset, device="cuda", dtype=opts.dtype, quantize=opts.quantize,
+                       groupsize=opts.groupsize, quiet=False)
+    start_s = time.perf_counter() - t0
+    if opts.profile:
+        profile.disable()
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
+    gen, vocab = llm.generator, llm.model.args.vocab_size
+    steps = gen.steps
+
+    def captured():
+        return sum(len(getattr(f, "graphs", ())) for f in (steps._decode, steps.graphed_prefill, steps.sampler,
+                                                            steps.graphed_forward, steps.graphed_rows))
+
+    def run(n, sampling):
+        sampling = dict(sampling)
+        stop = sampling.pop("stop_ids", ())
+        ids = _prompt(n, vocab, seed=n)
+        gen.reset()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in llm.stream_ids(ids, opts.new_tokens, stop_ids=stop, **sampling):
+            pass
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    first_token_s = None
+    rows = []
+    for name, n, sampling in REQUESTS:
+        if n + opts.new_tokens > gen.max_seq_length:
+            continue
+        compiles, graphs = counters["stats"]["unique_graphs"], captured()
+        first = run(n, sampling)
+        if first_token_s is None:
+            first_token_s = time.perf_counter() - t0
+        compiles, graphs = counters["stats"]["unique_graphs"] - compiles, captured() - graphs
+        steady = statistics.median(run(n, sampling) for _ in range(2))
+        ok = first <= 1.5 * steady + 0.020
+        rows.append({"request": name, "first_ms": first * 1e3, "steady_ms": steady * 1e3, "compiles": compiles,
+                     "graphs_captured": graphs, "ok": ok})
+        print(f"| {name} | {first * 1e3:.1f} | {steady * 1e3:.1f} | {compiles} | {graphs} | {'yes' if ok else 'NO'} |",
+              flush=True)
+
+    ids = _prompt(5, vocab)
+    rates = []
+    for _ in range(4):
+        gen.reset()
+        for _ in llm.stream_ids(ids, 200, stop_ids=()):
+            pass
+        rates.append(llm.stats.decode_tokens_per_s)
+    rate = statistics.median(rates[1:])
+    ceiling = read_ceiling_gb_s(torch.device("cuda"))
+    bytes_per_token = llm.stats.weight_bytes + kv_bytes_per_position(llm.model.args, llm.model.dtype) * 105
+    result = {"model": opts.gguf or opts.preset, "dtype": str(llm.model.dtype), "quantize": opts.quantize,
+              "torch": torch.__version__, "device": torch.cuda.get_device_name(), "cache": gen.max_seq_length,
+              "start_s": start_s, "first_token_s": first_token_s, "requests": rows,
+              "decode_tokens_per_s": rate, "read_ceiling_gb_s": ceiling,
+              "fraction_of_ceiling": rate * bytes_per_token / (ceiling * 1e9),
+              "all_ok": all(r["ok"] for r in rows), "compiles_after_start": sum(r["compiles"] for r in rows)}
+    print(f"start {start_s:.1f} s, first token {first_token_s:.1f} s; decode {rate:.1f} tok/s, "
+          f"{result['fraction_of_ceiling']:.3f} of {ceiling:.0f} GB/s; all within the goal: {result['all_ok']}; "
+          f"compiles after the start: {result['compiles_after_start']}", flush=True)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

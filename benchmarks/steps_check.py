@@ -1,0 +1,51 @@
+"""The ways a step runs give the same greedy tokens (fp32, random weights in
+a preset's shape): block-compiled in a CUDA graph (the default), the
+uncompiled step in a CUDA graph, and op by op (BRISKLM_CUDA_GRAPHS=0), for
+prompt lengths inside and past the prefill buckets and a conversation's
+second turn (a prefill after cached tokens).
+
+    PYTHONPATH=. python3 benchmarks/steps_check.py [--preset smollm2-135m] [--tokens 48]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, default=48)
+    opts = p.parse_args()
+    import brisklm
+    from brisklm.bench import _prompt
+    ways = {"block-compiled, graphed": dict(compile=True), "uncompiled, graphed": dict(compile=False),
+            "op by op": dict(compile=False, graphs="0")}
+    outputs = {}
+    for way, kw in ways.items():
+        os.environ["BRISKLM_CUDA_GRAPHS"] = kw.pop("graphs", "1")
+        llm = brisklm.load(preset=opts.preset, device="cuda", dtype="float32", max_seq_length=2048, **kw)
+        vocab, out = llm.model.args.vocab_size, []
+        for n in (1, 5, 16, 17, 100, 300):
+            ids = _prompt(n, vocab, seed=n)
+            llm.generator.reset()
+            first = list(llm.stream_ids(ids, opts.tokens, stop_ids=()))
+            second = list(llm.stream_ids(ids + first + _prompt(7, vocab, seed=99), opts.tokens, stop_ids=()))
+            out.append((first, second, llm.stats.reused_tokens))
+        outputs[way] = out
+        del llm
+    want = outputs["op by op"]
+    ok = True
+    print("| way | same greedy tokens as op by op |")
+    print("| --- | --- |")
+    for way, out in outputs.items():
+        same = sum(a == b for a, b in zip(out, want))
+        ok &= same == len(want)
+        print(f"| {way} | {same}/{len(want)} |")
+    print("all the same" if ok else "DIFFERENT")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

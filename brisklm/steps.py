@@ -1,0 +1,328 @@
+"""How each step of generation runs, chosen in one place: `Steps`.
+
+A step is the prefill of new prompt tokens, the decode of one token, or the
+logits of a few tokens (a speculative verify or draft step, scoring). Each
+runs in one of these ways:
+
+- eager: PyTorch ops launched from Python (CPUs; BRISKLM_CUDA_GRAPHS=0);
+- graphed: captured in a CUDA graph, one per shape, and replayed (`replayed`);
+- block-compiled (CUDA with the fused attention kernel; decode and verify):
+  every TransformerBlock runs one torch.compile'd forward, which the layers
+  share (their weights are its inputs), inside the CUDA graph of the whole
+  step, so a cold compile costs one layer's, not every layer's;
+- compiled whole (CPUs, or CUDA without the fused attention kernel): the
+  decode step as one compiled function.
+
+Nothing a request varies compiles or captures anything once `warm_up` has
+run: the sampling settings are a tensor (SamplingParams.on), and a prompt
+pads to a bucket whose graphs exist, a long one in chunks of the largest.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .model import Transformer, causal_block_mask, decode_block_mask, rows_block_mask
+from .sampling import sample
+
+
+class OnePassReductions:
+    """Inductor's choices, except for two kinds of reductions.
+
+    A reduction over up to 8192 values is compiled "persistent" (one pass, the
+    values held in registers) instead of looped (two passes over memory,
+    inductor's choice above 1024 values): each decode layer ends two
+    reductions of 4096 values (residual + RMSNorm), one program each.
+
+    Many short reductions (under 256 values each, e.g. gemv.pack_x's groups)
+    get a fixed block of reductions a program (SHORT_REDUCTION_BLOCK) instead
+    of the fastest of up to three configurations timed at the first run,
+    whose pick for these few-microsecond kernels varied between compiles, and
+    the int4 step's speed with it. (A class, not a function: its repr keys
+    the on-disk cache.)"""
+
+    def __new__(cls):
+        from torch._inductor.choices import InductorChoices
+        from torch._inductor.codegen.triton import FixedTritonConfig
+        from torch._inductor.virtualized import V
+
+        class Choices(InductorChoices):
+            @staticmethod
+            def should_use_persistent_reduction(features, cooperative_reduction) -> bool:
+                return (V.graph.sizevars.statically_known_leq(features.reduction_numel, 8192)
+                        or InductorChoices.should_use_persistent_reduction(features, cooperative_reduction))
+
+            def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs):
+                tiling = groups[0] if len(groups) == 1 and isinstance(groups[0], dict) else {}
+                if (features.is_reduction() and set(tiling) == {"x", "r0_"} and short_reductions(**tiling)
+                        and not kernel_kwargs.get("fixed_config") and not kernel_kwargs.get("mix_order_reduction")):
+                    return {**kernel_kwargs, "override_persistent_reduction": True,
+                            "fixed_config": FixedTritonConfig(dict(SHORT_REDUCTION_BLOCK))}
+                return kernel_kwargs
+
+            def uuid(self):  # for the compiler's cache key
+                return f"brisklm-one-pass-reductions-8192-short-ones-{sorted(SHORT_REDUCTION_BLOCK.items())}"
+
+        return Choices()
+
+
+SHORT_REDUCTION_BLOCK = {"XBLOCK": 8, "num_warps": 2}  # reductions a program, and its warps
+
+
+def short_reductions(x, r0_) -> bool:
+    """Up to 1024 reductions of 2-255 values each, of static sizes: compiled with SHORT_REDUCTION_BLOCK."""
+    return x.is_number and r0_.is_number and int(x) <= 1024 and 1 < int(r0_) < 256
+
+
+def run_block(layer, x, cos, sin, mask, input_pos):
+    """One TransformerBlock: what the block-compiled steps compile, once for all layers."""
+    return layer(x, cos, sin, mask, input_pos)
+
+
+def decode_one_token(model: Transformer, token, input_pos, settings, kv_len=None, block_mask=None, block=None):
+    """token: (1,) at position input_pos (1,) -> next token (1,) (settings:
+    SamplingParams.on). Attention reads only the filled part of the cache:
+    by kv_len (eager), the cache's causal block masks ({window: BlockMask},
+    compiled whole), or the fused kernel's own read of the length."""
+    if block_mask is not None:
+        block_mask = {window: decode_block_mask(mask, input_pos) for window, mask in block_mask.items()}
+    logits = model(token.view(1, 1), input_pos, kv_len=kv_len, block_mask=block_mask, block=block)  # (1, 1, V)
+    return sample(logits[:, -1], settings)
+
+
+def forward(model: Transformer, idx, input_pos, kv_len=None, last=None, depth=None, block=None):
+    """The model's logits as a step function: a prefill (at index `last`), a
+    verify step's rows, a draft step, scoring."""
+    return model(idx, input_pos, last=last, kv_len=kv_len, depth=depth, block=block)
+
+
+def rows_logits(model: Transformer, idx, input_pos, depth=None):
+    """Logits (1, T, V) of the tokens idx (1, T) at the consecutive positions
+    input_pos (T,), attention reading only the cache blocks they can see
+    (rows_block_mask): the verify and draft steps where decoding is compiled
+    whole (T = drafts + 1, padded to one shape)."""
+    masks = {w: rows_block_mask(model.max_seq_length, input_pos, w) for w in model.windows}
+    return model(idx, input_pos, block_mask=masks, depth=depth)
+
+
+def replayed(step):
+    """`step` captured in a CUDA graph, one per setting (the shapes of its
+    tensor arguments and the values of the others), and replayed: one launch
+    where an uncompiled step is hundreds. The tensor arguments are copied
+    into the graph's own; the output is the graph's, so the caller clones it.
+    The run before capture (which Triton's first compile needs) writes the
+    keys and values where the replay writes them again. All graphs share one
+    memory pool: they never run at once, and each keeps its output."""
+    graphs = {}
+    pool = []
+
+    def setting(a):
+        return (a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
+
+    def own(a):
+        return a.clone() if isinstance(a, torch.Tensor) else a
+
+    def run(*args, **kwargs):
+        key = (*map(setting, args), *((k, setting(v)) for k, v in kwargs.items()))
+        if key not in graphs:
+            device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            mine, mine_kw = [own(a) for a in args], {k: own(v) for k, v in kwargs.items()}
+            side = torch.cuda.Stream(device)  # capture wants the warm-up off the main stream
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                step(*mine, **mine_kw)
+            torch.cuda.current_stream(device).wait_stream(side)
+            if not pool:
+                pool.append(torch.cuda.graph_pool_handle())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool[0]):
+                out = step(*mine, **mine_kw)
+            graphs[key] = graph, [*mine, *mine_kw.values()], out
+        graph, inputs, out = graphs[key]
+        for static, given in zip(inputs, (*args, *kwargs.values())):
+            if isinstance(given, torch.Tensor):
+                static.copy_(given)
+        graph.replay()
+        return out
+
+    run.graphs = graphs
+    return run
+
+
+# Prompt lengths a graphed prefill pads to (longer prompts run in chunks of the last).
+PREFILL_BUCKETS = (16, 32, 64, 128, 256)
+
+
+def prefill_shape(start: int, n: int, max_seq_length: int, kernel_tokens: int = 0) -> tuple[int, int | None] | None:
+    """(padded prompt length, keys attended) of the CUDA graph that prefills n
+    tokens after `start` cached ones; None if no graph holds them. The keys
+    round up to a power of two, so one graph serves many conversation
+    lengths; None where the attention kernel reads the length itself (up to
+    kernel_tokens tokens)."""
+    bucket = 1 if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), None)
+    if bucket is None or start + bucket > max_seq_length:
+        return None
+    if bucket <= kernel_tokens:
+        return bucket, None
+    return bucket, min(1 << (start + bucket - 1).bit_length(), max_seq_length)
+
+
+def prefill_shapes(max_seq_length: int, kernel_tokens: int = 0) -> list[tuple[int, int | None]]:
+    """Every shape prefill_shape can give for this cache: the graphs to capture up front."""
+    shapes = set()
+    for bucket in (1, *PREFILL_BUCKETS):  # (the last key a start reaches: 2^p, for each power)
+        starts = {0, *((1 << p) - bucket + 1 for p in range(max_seq_length.bit_length() + 1))}
+        shapes.update(prefill_shape(s, bucket, max_seq_length, kernel_tokens) for s in starts if s >= 0)
+    shapes.discard(None)
+    return sorted(shapes, key=lambda s: (s[0], s[1] or 0))
+
+
+class Steps:
+    """The ready step functions of a model with its KV cache (see the module's docstring)."""
+
+    def __init__(self, model: Transformer, max_seq_length: int, compile: bool = False,
+                 compile_prefill: bool = False, compile_options: dict | None = None):
+        self.model, self.max_seq_length = model, max_seq_length
+        self.device = device = model.device
+        self.verify_rows = 5  # tokens a verify step holds (drafts + 1), padded to one shape
+        self.kernel_tokens = model.decode_kernels.get("attention", 0)  # tokens the attention kernel takes
+        graphs = device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0"
+        self.graphed = graphs and bool(self.kernel_tokens)  # the decode step replays a graph of ours
+        self.compiled = compile
+        self.warm = False  # whether warm_up has run
+        self.block = self.whole = self.rows = self.block_mask = None
+        # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
+        model.prepare(device, compiled=compile)
+        if compile:
+            # Inductor options apply to these functions only (no global flags). On
+            # CUDA, inductor's kernels launch while their predecessor finishes
+            # (programmatic dependent launch, Hopper and later).
+            cuda = device.type == "cuda"
+            options = {"triton.enable_pdl": cuda, "inductor_choices_class": OnePassReductions,
+                       "triton.cudagraphs": cuda and not self.graphed, **(compile_options or {})}
+            if self.graphed:
+                self.block = torch.compile(run_block, fullgraph=True, dynamic=False, options=options)
+            else:
+                if not self.kernel_tokens:
+                    self.block_mask = {w: causal_block_mask(max_seq_length, device, w) for w in model.windows}
+                # (static shapes: a model of other shapes compiles a graph of its own)
+                self.whole = torch.compile(decode_one_token, fullgraph=True, dynamic=False, options=options)
+                self.rows = torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options)
+        self._decode = self.whole or decode_one_token
+        if self.graphed:
+            self._decode = replayed(functools.partial(decode_one_token, block=self.block))
+        moe = model.args.num_local_experts > 0  # (its prefill groups tokens by expert on the host)
+        self._prefill = forward
+        if compile_prefill and not moe:  # dynamic shapes, unGraphed: a new length may compile again
+            self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
+        self.graphed_prefill = replayed(forward) if graphs and not moe and not compile_prefill else None
+        self.graphed_forward = replayed(forward) if graphs else None
+        self.graphed_rows = replayed(functools.partial(forward, block=self.block)) if self.block else None
+        self.sampler = replayed(sample) if graphs else sample
+
+    @property
+    def eager(self) -> bool:
+        """Whether a decode step needs the filled length from the host (kv_len)."""
+        return self.whole is None and not self.graphed
+
+    def decode(self, token: torch.Tensor, pos: torch.Tensor, settings, kv_len: int) -> torch.Tensor:
+        """The token after `token` (1,) at position pos (1,), a tensor of its own."""
+        if self.graphed:
+            return self._decode(self.model, token, pos, settings).clone()
+        if self.whole is not None and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self._decode(self.model, token, pos, settings, kv_len=kv_len if self.eager else None,
+                           block_mask=self.block_mask)
+        return out.clone() if self.whole is not None else out
+
+    def _padded(self, ids, start: int, max_seq_length: int, graphed):
+        """(ids as a (1, T) tensor, positions, kv_len, whether a graph holds them):
+        padded to a bucket when a CUDA graph holds them. The padding's keys and
+        values land past the given tokens, where each later step writes its own
+        before any query reads them."""
+        n = len(ids)
+        shape = graphed and prefill_shape(start, n, max_seq_length, self.kernel_tokens)
+        padded, kv_len = shape if shape else (n, start + n)
+        if isinstance(ids, torch.Tensor):  # one token on the device: nothing to pad
+            new = ids.reshape(1, 1)
+        else:
+            new = torch.tensor([ids + [0] * (padded - n)], dtype=torch.long, device=self.device)
+        return new, torch.arange(start, start + padded, device=self.device), kv_len, bool(shape)
+
+    def prefill(self, ids: list[int], start: int, settings) -> torch.Tensor:
+        """The keys and values of ids at positions start.. into the cache -> the
+        next token (1,), from CUDA graphs where they hold them (`_padded`): a
+        prompt longer than the largest bucket in chunks of it (or of the
+        chunk fusion.fuse_for_decode chose), so that no length runs a shape
+        for the first time."""
+        chunk = self.model.decode_kernels.get("prefill_chunk") or PREFILL_BUCKETS[-1]
+        while self.graphed_prefill is not None and len(ids) > chunk:
+            self.prefill(ids[:chunk], start, None)
+            ids, start = ids[chunk:], start + chunk
+        new, pos, kv_len, graphed = self._padded(ids, start, self.max_seq_length, self.graphed_prefill)
+        last = torch.tensor([len(ids) - 1], device=self.device)
+        logits = (self.graphed_prefill if graphed else self._prefill)(self.model, new, pos, kv_len=kv_len, last=last)
+        token = self.sampler(logits[:, -1], settings)
+        return token.clone() if self.sampler is not sample else token
+
+    def logits(self, ids, start: int, model: Transformer | None = None, last: int | None = None,
+               depth: int | None = None) -> torch.Tensor:
+        """Logits (1, len(ids), V) of ids (a list, or one token as a (1,)
+        tensor) at positions start.., or (1, 1, V) at index `last` only, of
+        this model or of `model` (a draft with its own cache), their keys and
+        values into its cache. A verify step (up to verify_rows tokens) and a
+        one-token step run compiled where decoding is, padded to one shape;
+        else from a CUDA graph where one holds them (`_padded`)."""
+        model = model or self.model
+        n = len(ids)
+        rows = 1 if n == 1 else self.verify_rows if last is None and n <= self.verify_rows else None
+        compiled = self.graphed_rows or self.rows
+        if compiled is not None and rows and start + rows <= model.max_seq_length:
+            new = ids.reshape(1, 1) if isinstance(ids, torch.Tensor) else torch.tensor(
+                [ids + [0] * (rows - n)], dtype=torch.long, device=self.device)
+            if self.rows is not None and self.device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(model, new, torch.arange(start, start + rows, device=self.device), depth=depth)
+            return out[:, :n].clone() if last is None else out[:, last:last + 1].clone()
+        new, pos, kv_len, graphed = self._padded(ids, start, model.max_seq_length, self.graphed_forward)
+        at = None if last is None else torch.tensor([last], device=self.device)
+        out = (self.graphed_forward if graphed else forward)(model, new, pos, kv_len=kv_len, last=at, depth=depth)
+        out = out if last is not None else out[:, :len(ids)]
+        return out.clone() if graphed else out
+
+    def warm_up(self, variants) -> int:
+        """Compile and capture every step a request can need, for each of the
+        sampling settings' variants (SamplingParams.on: None and one tensor
+        cover all): the decode step, and on CUDA the prefill graph of every
+        bucket and key length. Writes the cache; the caller forgets it.
+        Returns the number of graphs captured."""
+        token, pos = torch.zeros(1, dtype=torch.long, device=self.device), torch.zeros(1, dtype=torch.long,
+                                                                                     device=self.device)
+        for settings in variants:
+            self.decode(token, pos, settings, kv_len=1)
+            for _ in range(2):  # (compiled whole: a cudagraph tree records at its second run)
+                self.decode(token, pos, settings, kv_len=1)
+        if self.graphed_prefill is not None:
+            for bucket, kv_len in prefill_shapes(self.max_seq_length, self.kernel_tokens):
+                first = (kv_len or bucket) - bucket
+                ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+                self.graphed_prefill(self.model, ids, torch.arange(first, first + bucket, device=self.device),
+                                     kv_len=kv_len, last=torch.zeros(1, dtype=torch.long, device=self.device))
+            logits = torch.zeros(1, self.model.args.vocab_size, device=self.device)
+            for settings in variants:
+                self.sampler(logits, settings)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return sum(len(getattr(f, "graphs", ())) for f in (self._decode, self.graphed_prefill, self.sampler))
+
+    def warm_speculative(self, rows: int, prompt_ids: list[int], draft=None, depth=None):
+        """Compile (and capture) the verify step of `rows` tokens and a draft's
+        one-token step (draft: a model with its own cache, or depth: the first
+        layers of this one), each run three times (compiled, warmed, recorded)."""
+        self.verify_rows = rows
+        for _ in range(3):
+            self.logits((prompt_ids * rows)[:rows], 0)
+            if draft is not None or depth is not None:
+                self.logits(prompt_ids[:1], 0, model=draft, last=0, depth=depth)
