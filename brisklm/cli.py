@@ -499,6 +499,10 @@ def cmd_serve(args):
                          "pip install -e '.[server]'") from None
     if args.queue < 0:
         raise BriskError(f"--queue must be >= 0, got {args.queue}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise BriskError("--api_key is empty: give a key, or leave the flag out to serve without one")
+    from .server import check_address
+    check_address(args.host, args.port)  # (before the model loads)
     llm = _load(args)
     if llm.tokenizer is None:
         raise BriskError(f"{llm.name}: no tokenizer, nothing to serve (give a checkpoint with tokenizer files)")

@@ -5,8 +5,19 @@ worker thread, so the event loop never waits for the model; later requests
 wait in a bounded FIFO queue and beyond it get HTTP 429. Streamed text
 crosses from the worker by an asyncio queue, split on UTF-8 boundaries by
 the tokenizer's StreamDecoder; a client that goes away cancels its
-generation at the next token. Every error is a JSON body in OpenAI's format
-({"error": {"message", "type", "param", "code"}}), never a traceback.
+generation at the next token, streamed or not. Every error is a JSON body in
+OpenAI's format ({"error": {"message", "type", "param", "code"}}), never a
+traceback.
+
+Against careless and hostile clients: the body limit counts the bytes read,
+whatever the framing (`Gate`, which also times out a body sent too
+slowly); a request's headers must arrive within HEADER_TIMEOUT_S
+(`GuardedH11Protocol`), an idle keep-alive socket closes after uvicorn's
+timeout_keep_alive, and connections beyond MAX_CONNECTIONS get 503 (uvicorn's
+limit_concurrency); tokenizing and templating run off the event loop; one
+request asks for at most MAX_JOBS generations (prompts x n); on SIGTERM the
+running generation ends at its next token and everything admitted is
+answered 503 (a stream: an error event and [DONE]).
 """
 from __future__ import annotations
 
@@ -18,13 +29,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import LLM, _text_pieces
@@ -32,29 +43,138 @@ from .errors import BriskError
 
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 16
+MAX_JOBS = 64  # generations one request may ask for (prompts x n)
+HEADER_TIMEOUT_S = 10.0  # to send a request's headers
+BODY_TIMEOUT_S = 10.0  # between two pieces of a body
+MAX_CONNECTIONS = 512  # beyond it, 503 (uvicorn's limit_concurrency)
+INT64 = 2 ** 63
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind="invalid_request_error", param=None, code=None):
+    def __init__(self, status: int, message: str, kind="invalid_request_error", param=None, code=None,
+                 headers=None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
 
 
-def error_body(status: int, message: str, kind="invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+def error_json(message: str, kind="invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_body(status: int, message: str, kind="invalid_request_error", param=None, code=None,
+               headers=None) -> JSONResponse:
+    return JSONResponse(error_json(message, kind, param, code), status, headers=headers)
+
+
+SHUTTING_DOWN = APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+
+
+class Gate:
+    """ASGI middleware in front of every request (pure ASGI: starlette's
+    BaseHTTPMiddleware hid a client's disconnect from the app):
+
+    - the API key (401 with WWW-Authenticate; /health needs none);
+    - the body read whole before the app sees it, refused with 413 once it
+      passes MAX_BODY_BYTES whatever its framing (Content-Length or chunked),
+      and with 408 when a piece of it takes more than BODY_TIMEOUT_S (a body
+      shorter than its length, a chunked body never ended); a body without a
+      Content-Type is read as JSON, as OpenAI reads it;
+    - the count of answers by path and status (/metrics)."""
+
+    def __init__(self, app, api_key: str | None, metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = []
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.guarded(scope, receive, counted)
+        finally:
+            if status:
+                path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+                self.metrics.requests.labels(path, str(status[0])).inc()
+
+    async def guarded(self, scope, receive, send):
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"] != "/health" and not authorized(headers, self.api_key):
+            return await refuse(send, 401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                                "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        if b"content-type" not in headers:
+            scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
+        declared = headers.get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return await refuse(send, 413, f"the request body is {int(declared)} bytes, over the limit of "
+                                f"{MAX_BODY_BYTES}", code="body_too_large")
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return await refuse(send, 408, f"the request body stalled for {BODY_TIMEOUT_S:.0f} s",
+                                    code="body_timeout")
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                return await refuse(send, 413, f"the request body is over the limit of {MAX_BODY_BYTES} bytes",
+                                    code="body_too_large")
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # (then only the disconnect)
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def refuse(send, status: int, message: str, kind="invalid_request_error", code=None, headers=()):
+    """An error answered by the middleware itself, and the connection closed."""
+    content = json.dumps(error_json(message, kind, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                            (b"content-length", str(len(content)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": content})
 
 
 # --- requests (unknown fields are ignored, as OpenAI does) ----------------------
 
+def encodable(text: str) -> str:
+    """Text the tokenizer can take: a lone surrogate (JSON's "\\ud800") is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode at character {e.start} (a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(encodable)]
+
+
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: Union[Text, list[Text], None] = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict | None = None
@@ -62,16 +182,22 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, list[str], list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Union[Text, list[Text], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)  # (null: OpenAI's default, 16)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict], None] = None
+    content: Union[Text, list[TextPart], None] = None  # (an image part: refused, this model reads text)
 
 
 class ChatRequest(Sampling):
@@ -85,7 +211,7 @@ class ChatRequest(Sampling):
 def message_text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return "".join(part.text for part in content)
 
 
 # --- the engine: one generation at a time, in a worker thread ------------------
@@ -116,7 +242,9 @@ class Engine:
     def admit(self):
         if self.admitted >= self.limit:
             raise APIError(429, f"the server is busy: {self.limit - 1} requests are already waiting",
-                           "rate_limit_error", code="queue_full")
+                           "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        if self.closing.is_set():
+            raise SHUTTING_DOWN
         self.admitted += 1
         self.metrics.queue.set(self.admitted)
 
@@ -140,9 +268,12 @@ class Engine:
         eos = set() if ignore_eos else set(self.llm.tokenizer.eos_ids)
         t0 = last = time.perf_counter()
 
-        def counted():
+        def counted():  # (checked at every token: a stop string can hold text back for many)
             nonlocal last
             for t in self.llm.stream_ids(ids, max_tokens, stop_ids=eos, **sampling):
+                if cancelled() or self.closing.is_set():
+                    state["cancelled"] = True
+                    return
                 now = time.perf_counter()
                 (self.metrics.ttft if not tokens else self.metrics.itl).observe(now - (t0 if not tokens else last))
                 last = now
@@ -159,6 +290,8 @@ class Engine:
                 emit(piece)
         finally:
             pieces.close()
+        if state.get("cancelled"):
+            return {"ids": tokens, "finish_reason": "cancelled"}
         length = state["done"] and len(tokens) >= max_tokens and (not tokens or tokens[-1] not in eos)
         return {"ids": tokens, "finish_reason": "length" if length else "stop"}
 
@@ -174,47 +307,33 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return error_body(e.status, e.message, e.kind, e.param, e.code)
+        return error_body(e.status, e.message, e.kind, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # the deepest error names the field at fault (a union's other branches fail higher up)
+        first = max(e.errors(), key=lambda error: len(error.get("loc", ())), default={})
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not is_type_tag(x)]
         if first.get("type") == "json_invalid":
             return error_body(400, "the request body is not valid JSON", code="invalid_json")
         if not loc:  # (the body itself: not an object)
             return error_body(400, "the request body must be a JSON object", code="invalid_json")
         param = ".".join(loc) or None
-        return error_body(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param,
-                          code="invalid_value")
+        message = first.get("msg", "invalid value")
+        if loc[-1:] == ["type"] and "content" in loc:  # (a content part that is not text: an image, audio)
+            message = f"only text parts are supported (this model reads no {first.get('input')!r})"
+        return error_body(400, f"{param or 'body'}: {message}", param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_body(e.status_code, str(e.detail), kind)
+        return error_body(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request, e: Exception):  # a bug of ours: said as one line, the server stays up
         return error_body(500, f"internal error: {type(e).__name__}: {str(e)[:200]}", "server_error")
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        try:
-            size = int(request.headers.get("content-length") or 0)
-        except ValueError:
-            size = 0
-        if size > MAX_BODY_BYTES:
-            response = error_body(413, f"the request body is {size} bytes, over the limit of {MAX_BODY_BYTES}",
-                                  code="body_too_large")
-        elif api_key and path != "/health" and not authorized(request, api_key):
-            response = error_body(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                  "authentication_error", code="invalid_api_key")
-        else:
-            response = await call_next(request)
-        known = path if path in KNOWN_PATHS else "other"
-        metrics.requests.labels(known, str(response.status_code)).inc()
-        return response
+    app.add_middleware(Gate, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health():
@@ -235,9 +354,10 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                            "not_found_error", "model", "model_not_found")
 
     def sampling_of(body: Sampling, index: int) -> dict:
-        return dict(temperature=body.temperature, top_p=None if body.top_p >= 1 else body.top_p,
-                    top_k=body.top_k, min_p=body.min_p,
-                    seed=None if body.seed is None else body.seed + index)
+        top_p = 1.0 if body.top_p is None else body.top_p
+        return dict(temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=None if top_p >= 1 else top_p, top_k=body.top_k, min_p=body.min_p,
+                    seed=None if body.seed is None else (body.seed + index) % 2 ** 64)
 
     def checked(ids: list[int], max_tokens: int):
         if not ids:
@@ -248,55 +368,86 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             raise APIError(400, str(e), param="max_tokens" if len(ids) < llm.generator.max_seq_length
                            else "prompt", code="context_length_exceeded") from None
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body)
-        tok = llm.require_tokenizer()
-        prompts = [body.prompt] if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)) \
-            else body.prompt
-        if not prompts:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        vocab = llm.model.args.vocab_size
+    def bounded(prompts: int, n: int):
+        if prompts * n > MAX_JOBS:
+            raise APIError(400, f"{prompts} prompts x n={n} is {prompts * n} generations, over the limit of "
+                           f"{MAX_JOBS} a request", param="n", code="too_many_generations")
+
+    def encode_prompts(prompts) -> list[tuple[str, list[int]]]:
+        """(text, ids) of each prompt (in a worker thread: tokenizing a long one takes seconds)."""
+        tok, vocab = llm.require_tokenizer(), llm.model.args.vocab_size
         encoded = []
         for p in prompts:
             ids = tok.encode(p) if isinstance(p, str) else list(p)
+            if isinstance(p, str) and not ids:  # "" (as OpenAI: the model continues from its start token)
+                ids = [tok.bos_id] if tok.bos_id is not None else list(tok.eos_ids[:1])
             if any(not 0 <= i < vocab for i in ids):
                 raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1}", param="prompt")
-            checked(ids, body.max_tokens)
             encoded.append((p if isinstance(p, str) else tok.decode(ids), ids))
+        return encoded
+
+    async def generate_all(request: Request, jobs, body, max_tokens: int) -> list[tuple[str, dict]]:
+        """(text, result) of each job, in turn, cancelled when the client leaves (non-streaming)."""
+        engine.admit()
+        cancel = threading.Event()
+        watcher = asyncio.create_task(watch_disconnect(request, cancel))
+        try:
+            results = []
+            for text, ids, i in jobs:
+                pieces = []
+                out = await engine.run(engine.generate, ids, max_tokens, sampling_of(body, i), body.stop,
+                                       pieces.append, cancel.is_set, body.ignore_eos)
+                if engine.closing.is_set():
+                    raise SHUTTING_DOWN
+                if cancel.is_set():  # (no one to answer)
+                    raise APIError(499, "the client went away", code="client_closed")
+                results.append(("".join(pieces), out))
+            return results
+        finally:
+            cancel.set()
+            watcher.cancel()
+            engine.release()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        llm.require_tokenizer()
+        single = isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int))
+        prompts = [body.prompt] if single else body.prompt
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        bounded(len(prompts), body.n)
+        encoded = await asyncio.to_thread(encode_prompts, prompts)
+        for _, ids in encoded:
+            checked(ids, body.max_tokens or 16)
         if body.stream and (body.logprobs is not None or body.echo):
             raise APIError(400, "logprobs and echo are not supported with stream", param="logprobs")
         jobs = [(text, ids, i) for text, ids in encoded for i in range(body.n)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
+        body.max_tokens = body.max_tokens or 16
         if body.stream:
             return stream(request, jobs, body, meta, chat=False)
-        engine.admit()
-        try:
-            choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-            for index, (text, ids, i) in enumerate(jobs):
-                pieces = []
-                out = await engine.run(engine.generate, ids, body.max_tokens, sampling_of(body, i), body.stop,
-                                       pieces.append, lambda: False, body.ignore_eos)
-                completion = "".join(pieces)
-                choice = {"text": (text if body.echo else "") + completion, "index": index,
-                          "logprobs": None, "finish_reason": out["finish_reason"]}
-                if body.logprobs is not None:
-                    choice["logprobs"] = await engine.run(completion_logprobs, llm, ids, out["ids"],
-                                                          body.logprobs, body.echo)
-                choices.append(choice)
-                usage["prompt_tokens"] += len(ids) if i == 0 else 0
-                usage["completion_tokens"] += len(out["ids"])
-        finally:
-            engine.release()
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for index, ((text, ids, i), (completion, out)) in enumerate(zip(jobs, await generate_all(
+                request, jobs, body, body.max_tokens))):
+            choice = {"text": (text if body.echo else "") + completion, "index": index,
+                      "logprobs": None, "finish_reason": out["finish_reason"]}
+            if body.logprobs is not None:
+                choice["logprobs"] = await engine.run(completion_logprobs, llm, ids, out["ids"],
+                                                      body.logprobs, body.echo)
+            choices.append(choice)
+            usage["prompt_tokens"] += len(ids) if i == 0 else 0
+            usage["completion_tokens"] += len(out["ids"])
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {**meta, "choices": choices, "usage": usage}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body)
+        bounded(1, body.n)
         messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
-        ids = llm.chat_ids(messages)
+        ids = await asyncio.to_thread(llm.chat_ids, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(1, min(4096, llm.generator.max_seq_length - len(ids)))
         checked(ids, max_tokens)
@@ -308,21 +459,14 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         meta = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name}
         if body.stream:
             return stream(request, jobs, body, {**meta, "object": "chat.completion.chunk"}, chat=True)
-        engine.admit()
-        try:
-            choices, completion_tokens = [], 0
-            for index, (_, ids, i) in enumerate(jobs):
-                pieces = []
-                out = await engine.run(engine.generate, ids, max_tokens, sampling_of(body, i), body.stop,
-                                       pieces.append, lambda: False, body.ignore_eos)
-                choice = {"index": index, "message": {"role": "assistant", "content": "".join(pieces)},
-                          "logprobs": None, "finish_reason": out["finish_reason"]}
-                if body.logprobs:
-                    choice["logprobs"] = await engine.run(chat_logprobs, llm, ids, out["ids"], body.top_logprobs or 0)
-                choices.append(choice)
-                completion_tokens += len(out["ids"])
-        finally:
-            engine.release()
+        choices, completion_tokens = [], 0
+        for index, (reply, out) in enumerate(await generate_all(request, jobs, body, max_tokens)):
+            choice = {"index": index, "message": {"role": "assistant", "content": reply},
+                      "logprobs": None, "finish_reason": out["finish_reason"]}
+            if body.logprobs:
+                choice["logprobs"] = await engine.run(chat_logprobs, llm, ids, out["ids"], body.top_logprobs or 0)
+            choices.append(choice)
+            completion_tokens += len(out["ids"])
         usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
                  "total_tokens": len(ids) + completion_tokens}
         return {**meta, "choices": choices, "usage": usage}
@@ -333,6 +477,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
 
         async def events():
             cancel = threading.Event()
+            watcher = asyncio.create_task(watch_disconnect(request, cancel))
             try:
                 completion_tokens = 0
                 for index, (_, ids, i) in enumerate(jobs):
@@ -350,38 +495,62 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                         yield sse({**meta, "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
                     try:
                         out = await job
-                    except BriskError as e:  # (the status is sent already: the error goes in the stream)
-                        yield sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None,
-                                             "code": None}})
-                        return
+                    except Exception as e:  # (the status is sent already: the error goes in the stream, then [DONE])
+                        bad = isinstance(e, BriskError)
+                        yield sse(error_json(str(e) if bad else f"internal error: {type(e).__name__}",
+                                             "invalid_request_error" if bad else "server_error"))
+                        break
+                    if engine.closing.is_set():
+                        yield sse(SHUTTING_DOWN_EVENT)
+                        break
                     completion_tokens += len(out["ids"])
                     last = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
                     yield sse({**meta, "choices": [{**last, "logprobs": None, "finish_reason": out["finish_reason"]}]})
-                if (body.stream_options or {}).get("include_usage"):
-                    prompt_tokens = sum(len(ids) for _, ids, i in jobs if i == 0)
-                    yield sse({**meta, "choices": [], "usage": {
-                        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens}})
+                else:
+                    if (body.stream_options or {}).get("include_usage"):
+                        prompt_tokens = sum(len(ids) for _, ids, i in jobs if i == 0)
+                        yield sse({**meta, "choices": [], "usage": {
+                            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}})
                 yield "data: [DONE]\n\n"
             finally:  # also when the client went away (the task is cancelled): the worker stops at its next token
                 cancel.set()
+                watcher.cancel()
                 engine.release()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.on_event("shutdown")
     def shutdown():
-        engine.closing.set()  # running generations end at their next token
-        engine.worker.shutdown(wait=True, cancel_futures=True)
+        engine.closing.set()  # running generations end at their next token, queued ones at once
+        engine.worker.shutdown(wait=True)
 
     return app
+
+
+def is_type_tag(part) -> bool:
+    """A step of pydantic's error location that names a union's branch, not a field ("str", "list[int]")."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+SHUTTING_DOWN_EVENT = error_json(SHUTTING_DOWN.message, SHUTTING_DOWN.kind, code=SHUTTING_DOWN.code)
+
+
+async def watch_disconnect(request: Request, cancel: threading.Event, every_s: float = 0.05):
+    """Set `cancel` once the client has gone away (checked every every_s):
+    the worker reads it at every token, whatever the request sends back."""
+    while not cancel.is_set():
+        if await request.is_disconnected():
+            cancel.set()
+            return
+        await asyncio.sleep(every_s)
 
 
 KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
 
 
-def authorized(request: Request, key: str) -> bool:
-    given = request.headers.get("authorization", "")
+def authorized(headers: dict, key: str) -> bool:
+    given = headers.get(b"authorization", b"").decode("latin-1")
     scheme, _, token = given.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
@@ -422,17 +591,104 @@ def chat_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int) -> 
     return {"content": content}
 
 
+def guarded_h11():
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers
+    (uvicorn times out idle keep-alive sockets only after a first response,
+    and any byte cancels that: a slowloris client, or a socket that never
+    speaks, held a descriptor forever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.arm()
+
+        def arm(self):
+            self.disarm()
+            self.deadline = self.loop.call_later(HEADER_TIMEOUT_S, self.expire)
+
+        def disarm(self):
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def handle_events(self):
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers arrived
+                self.disarm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self.arm()  # (the next request on this socket has as long)
+
+        def connection_lost(self, exc):
+            self.disarm()
+            super().connection_lost(exc)
+
+        def expire(self):
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def check_address(host: str, port: int):
+    """A BriskError now, before the model loads, for an address that cannot be served."""
+    import socket
+    if not 0 <= port <= 65535:
+        raise BriskError(f"--port {port}: a port is 0..65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise BriskError(f"--host {host!r}: not an address of this machine ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise BriskError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def raise_descriptor_limit() -> int:
+    """The soft limit on open files raised to the hard one (each client holds
+    a descriptor); returns the limit now."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 16, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return 1024
+
+
 def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, queue: int):
-    """Run until SIGINT or SIGTERM: then stop accepting, end the streams in
-    flight (uvicorn's graceful shutdown) and exit 0."""
+    """Run until SIGINT or SIGTERM: then stop accepting, end the running
+    generation at its next token, answer everything admitted (503 JSON, or an
+    error event and [DONE] in a stream) and exit 0."""
     import signal
     import sys
 
     import uvicorn
     for sig in (signal.SIGINT, signal.SIGTERM):  # (uvicorn raises the signal again once it has shut down)
         signal.signal(sig, lambda *_: sys.exit(0))
-    api_key = api_key or os.environ.get("BRISK_API_KEY") or None
+    if api_key is None:
+        api_key = os.environ.get("BRISK_API_KEY") or None
     app = make_app(llm, model_name, api_key, queue)
+    descriptors = raise_descriptor_limit()
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
+                            http=guarded_h11(), timeout_keep_alive=5,
+                            limit_concurrency=max(16, min(MAX_CONNECTIONS, descriptors - 64)))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.engine.closing.set()  # (before uvicorn waits for the connections to finish)
+            super().handle_exit(sig, frame)
+
     print(f"Serving {model_name} on http://{host}:{port}/v1 (OpenAI API; GET /health, /metrics)"
           + (", API key required" if api_key else ""), flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+    Server(config).run()
