@@ -439,9 +439,16 @@ class LLM:
             raise BriskError(str(e)) from None
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        """The prompt ids of a conversation, rendered by the chat template."""
-        # The template already writes any BOS it wants.
-        return self.require_tokenizer().encode(self.apply_chat_template(messages), add_bos=False)
+        """The prompt ids of a conversation, rendered by the chat template; a
+        special token's text inside a message is text (no role spoofing)."""
+        tok = self.require_tokenizer()
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
+        try:  # (the template already writes any BOS it wants)
+            text, contents = chat_templates.render_marked(tok.chat_template, messages, bos_token=bos, eos_token=eos)
+        except ValueError as e:
+            raise BriskError(str(e)) from None
+        return tok.encode_literal(text, contents)
 
     def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
         return self.stream_ids_as_text(self.chat_ids(messages), max_new_tokens, kwargs.pop("stop", None), **kwargs)

@@ -38,6 +38,33 @@ def render(template: str | None, messages: list[dict], add_generation_prompt: bo
         raise ValueError(f"chat template error: {e}") from None
 
 
+def render_marked(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
+                  bos_token: str = "", eos_token: str = "") -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans that hold the
+    messages' contents: rendered with a mark in each content's place, then the
+    contents put in (Tokenizer.encode_literal keeps those spans text). A
+    template that drops or alters a mark gets the plain render and no spans."""
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # (private-use characters)
+    marked = [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)]
+    text = render(template, marked, add_generation_prompt, bos_token, eos_token)
+    pieces, spans, at, start = [], [], 0, 0
+    for i, mark in enumerate(marks):
+        if not isinstance(messages[i].get("content"), str):
+            continue
+        found = text.find(mark, start)
+        if found < 0 or text.count(mark) != 1:
+            return render(template, messages, add_generation_prompt, bos_token, eos_token), []
+        pieces.append(text[start:found])
+        at += found - start
+        content = messages[i]["content"]
+        pieces.append(content)
+        spans.append((at, at + len(content)))
+        at += len(content)
+        start = found + len(mark)
+    pieces.append(text[start:])
+    return "".join(pieces), spans
+
+
 def drop_oldest_turns(messages: list[dict], fits) -> tuple[list[dict], int]:
     """The conversation less its oldest turns (a user message and the replies
     after it; a leading system message stays) until fits(messages) holds or

@@ -44,8 +44,8 @@ from .errors import BriskError
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 16
 MAX_JOBS = 64  # generations one request may ask for (prompts x n)
-HEADER_TIMEOUT_S = 10.0  # to send a request's headers
-BODY_TIMEOUT_S = 10.0  # between two pieces of a body
+# to send a request's headers, and between two pieces of a body (BRISKLM_CLIENT_TIMEOUT_S sets both)
+HEADER_TIMEOUT_S = BODY_TIMEOUT_S = float(os.environ.get("BRISKLM_CLIENT_TIMEOUT_S") or 10.0)
 MAX_CONNECTIONS = 512  # beyond it, 503 (uvicorn's limit_concurrency)
 INT64 = 2 ** 63
 

@@ -60,6 +60,22 @@ class Tokenizer:
                 ids = [self.bos_id] + ids
         return ids
 
+    def encode_literal(self, text: str, literal: list[tuple[int, int]]) -> list[int]:
+        """The ids of text (a rendered chat, no BOS added) in which the
+        character spans `literal` (the messages' contents) are text whatever
+        they hold: a special token's text counts as the token only outside
+        them, so a user cannot write the template's role markers. Elsewhere
+        the split is the tokenizers' own: at each special token, the text
+        between encoded on its own."""
+        ids, start = [], 0
+        for match in self.backend.special_pattern().finditer(text):
+            if any(a < match.end() and match.start() < b for a, b in literal):
+                continue
+            ids += self.backend.encode_text(text[start:match.start()])
+            ids.append(self.backend.token_id(match.group()))
+            start = match.end()
+        return ids + self.backend.encode_text(text[start:])
+
     def decode(self, ids) -> str:
         return self.backend.decode(list(ids))
 
@@ -125,8 +141,22 @@ class HFBackend:
         from tokenizers import Tokenizer as _Tok
         return cls(_Tok.from_file(path))
 
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids if text else []
+    def encode(self, text):  # (encode_batch lets go of the GIL: a long prompt does not stall other threads)
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+
+    def encode_text(self, text):
+        """Ids of text in which special tokens' text is text."""
+        if not text:
+            return []
+        if not hasattr(self, "literal"):
+            from tokenizers import Tokenizer as _Tok
+            self.literal = _Tok.from_str(self.tok.to_str())
+            self.literal.encode_special_tokens = True
+        return self.literal.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def special_pattern(self):
+        specials = [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special]
+        return special_pattern(specials)
 
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -152,6 +182,12 @@ class SentencePieceBackend:
         self.special_ids = set(specials.values())
         self.split = (re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
                       if specials else None)
+
+    def encode_text(self, text):
+        return self.sp.encode(text) if text else []
+
+    def special_pattern(self):
+        return special_pattern(self.specials)
 
     def encode(self, text):
         if not self.split:
@@ -212,6 +248,12 @@ class TiktokenBackend:
     def encode(self, text):
         return self.enc.encode(text, allowed_special="all")
 
+    def encode_text(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def special_pattern(self):
+        return special_pattern(self.specials)
+
     def decode(self, ids):
         return self.enc.decode(ids, errors="replace")
 
@@ -224,6 +266,12 @@ class TiktokenBackend:
     def save(self, folder):
         shutil.copyfile(self.path, os.path.join(folder, "tokenizer.model"))
         return {"type": "tiktoken", "file": "tokenizer.model"}
+
+
+def special_pattern(specials) -> re.Pattern:
+    """A pattern that finds any of the special tokens' texts, longest first (none: matches nothing)."""
+    names = sorted((t for t in specials if t), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, names)) if names else r"(?!x)x")
 
 
 def load_tokenizer_model_file(path):
