@@ -435,7 +435,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                       "logprobs": None, "finish_reason": out["finish_reason"]}
             if body.logprobs is not None:
                 choice["logprobs"] = await engine.run(completion_logprobs, llm, ids, out["ids"],
-                                                      body.logprobs, body.echo)
+                                                      body.logprobs, body.echo, completion)
             choices.append(choice)
             usage["prompt_tokens"] += len(ids) if i == 0 else 0
             usage["completion_tokens"] += len(out["ids"])
@@ -464,7 +464,8 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             choice = {"index": index, "message": {"role": "assistant", "content": reply},
                       "logprobs": None, "finish_reason": out["finish_reason"]}
             if body.logprobs:
-                choice["logprobs"] = await engine.run(chat_logprobs, llm, ids, out["ids"], body.top_logprobs or 0)
+                choice["logprobs"] = await engine.run(chat_logprobs, llm, ids, out["ids"], body.top_logprobs or 0,
+                                                      reply)
             choices.append(choice)
             completion_tokens += len(out["ids"])
         usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
@@ -561,15 +562,35 @@ def sse(obj: dict) -> str:
 
 # --- log-probabilities (scored by one forward over prompt + completion) ----------
 
-def completion_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, echo: bool) -> dict:
-    """OpenAI's completions `logprobs` object for the generated tokens (and the prompt's with echo)."""
+def token_texts(tok, ids: list[int], text: str | None = None) -> list[str]:
+    """Each token's share of the text the ids decode to, so that the shares
+    concatenate to it exactly (a character split over tokens goes to the
+    token that completes it); with `text` (a completion as returned: cut
+    before a stop string, the end token left out), the tokens past it are
+    dropped and the last one cut at its end."""
+    decoder, shares, total = tok.stream(), [], 0
+    for t in ids:
+        if text is not None and total >= len(text):
+            break
+        share = decoder.push(t)
+        if text is not None:
+            share = share[:len(text) - total]
+        shares.append(share)
+        total += len(share)
+    return shares
+
+
+def completion_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, echo: bool,
+                        completion: str) -> dict:
+    """OpenAI's completions `logprobs` object for the returned tokens (and the prompt's with echo)."""
     tok = llm.tokenizer
+    texts = token_texts(tok, ids, completion)
+    ids = ids[:len(texts)]
     chosen, alternatives = llm.score(prompt_ids + ids, top)
     first = 0 if echo else len(prompt_ids)
-    tokens = (prompt_ids + ids)[first:]
+    texts = (token_texts(tok, prompt_ids) if echo else []) + texts
     logprobs = ([None] + chosen)[first:]
     tops = ([None] + alternatives)[first:]
-    texts = [tok.decode([t]) for t in tokens]
     offsets, at = [], 0
     for text in texts:
         offsets.append(at)
@@ -579,12 +600,13 @@ def completion_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: in
             if top else None}
 
 
-def chat_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int) -> dict:
+def chat_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, reply: str) -> dict:
     tok = llm.tokenizer
+    texts = token_texts(tok, ids, reply)
+    ids = ids[:len(texts)]
     chosen, alternatives = llm.score(prompt_ids + ids, top)
     content = []
-    for t, lp, alts in zip(ids, chosen[len(prompt_ids) - 1:], alternatives[len(prompt_ids) - 1:]):
-        text = tok.decode([t])
+    for text, lp, alts in zip(texts, chosen[len(prompt_ids) - 1:], alternatives[len(prompt_ids) - 1:]):
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                         "top_logprobs": [{"token": tok.decode([i]), "logprob": v,
                                           "bytes": list(tok.decode([i]).encode())} for i, v in alts]})

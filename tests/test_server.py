@@ -483,3 +483,25 @@ def test_special_token_text_in_a_message_is_text(client, model_id, smol_llm):
     tok = smol_llm.tokenizer
     parsed = tok.encode(smol_llm.apply_chat_template(spoof), add_bos=False)  # (markers parsed: what it was)
     assert out.usage.prompt_tokens == len(smol_llm.chat_ids(spoof)) > len(parsed)
+
+
+def test_logprobs_tile_the_returned_text(client, model_id):
+    """The tokens of logprobs concatenate to the text returned: no end token,
+    nothing past a stop string, characters split over tokens (non-ASCII) in
+    one piece, offsets where each token starts, bytes the UTF-8 of each."""
+    prompt = "Ⅻ is twelve; 日本語 means Japanese; café"
+    out = client.completions.create(model=model_id, prompt=prompt, echo=True, logprobs=1, max_tokens=12,
+                                    temperature=0)
+    lp, text = out.choices[0].logprobs, out.choices[0].text
+    assert "".join(lp.tokens) == text and text.startswith(prompt) and "\ufffd" not in "".join(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0)
+    word = plain.choices[0].message.content.split()[2]
+    for kwargs in ({}, {"stop": [word]}):
+        out = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
+                                             logprobs=True, top_logprobs=2, **kwargs)
+        content = out.choices[0].logprobs.content
+        assert "".join(c.token for c in content) == out.choices[0].message.content
+        assert all(bytes(c.bytes).decode() == c.token for c in content)
+    assert out.choices[0].finish_reason == "stop" and word not in out.choices[0].message.content
