@@ -13,8 +13,8 @@ Against careless and hostile clients: the body limit counts the bytes read,
 whatever the framing (`Gate`, which also times out a body sent too
 slowly); a request's headers must arrive within HEADER_TIMEOUT_S
 (`GuardedH11Protocol`), an idle keep-alive socket closes after uvicorn's
-timeout_keep_alive, and connections beyond MAX_CONNECTIONS get 503 (uvicorn's
-limit_concurrency); tokenizing and templating run off the event loop; one
+timeout_keep_alive, and connections near the open-file limit get 503 (uvicorn's
+limit_concurrency; the soft limit is raised to the hard one at start); tokenizing and templating run off the event loop; one
 request asks for at most MAX_JOBS generations (prompts x n); on SIGTERM the
 running generation ends at its next token and everything admitted is
 answered 503 (a stream: an error event and [DONE]).
@@ -46,7 +46,6 @@ MAX_CHOICES = 16
 MAX_JOBS = 64  # generations one request may ask for (prompts x n)
 # to send a request's headers, and between two pieces of a body (BRISKLM_CLIENT_TIMEOUT_S sets both)
 HEADER_TIMEOUT_S = BODY_TIMEOUT_S = float(os.environ.get("BRISKLM_CLIENT_TIMEOUT_S") or 10.0)
-MAX_CONNECTIONS = 512  # beyond it, 503 (uvicorn's limit_concurrency)
 INT64 = 2 ** 63
 
 
@@ -704,7 +703,7 @@ def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, 
     descriptors = raise_descriptor_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
                             http=guarded_h11(), timeout_keep_alive=5,
-                            limit_concurrency=max(16, min(MAX_CONNECTIONS, descriptors - 64)))
+                            limit_concurrency=max(16, descriptors - 64))  # (idle sockets count too)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
