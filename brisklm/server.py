@@ -213,6 +213,34 @@ def message_text(content) -> str:
     return "".join(part.text for part in content)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# The error answers of the generation routes, as the OpenAPI schema documents them.
+ERRORS = {code: {"model": ErrorBody, "description": text} for code, text in (
+    (400, "a request this server cannot take, naming the field at fault"), (401, "missing or wrong API key"),
+    (404, "a model not served here"), (408, "a body that stalled"), (413, "a body over the limit"),
+    (429, "the queue is full"), (503, "shutting down, or too many connections"))}
+
+
+def documented(app: FastAPI):
+    """The OpenAPI schema with our error answers in place of FastAPI's 422 (we answer 400)."""
+    from fastapi.openapi.utils import get_openapi
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+    return schema
+
+
 # --- the engine: one generation at a time, in a worker thread ------------------
 
 class Metrics:
@@ -338,11 +366,11 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={401: ERRORS[401]})
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={401: ERRORS[401]})
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "brisk-lm"}]}
@@ -407,7 +435,14 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             watcher.cancel()
             engine.release()
 
-    @app.post("/v1/completions")
+    def openapi():
+        if app.openapi_schema is None:
+            app.openapi_schema = documented(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         llm.require_tokenizer()
@@ -441,7 +476,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {**meta, "choices": choices, "usage": usage}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body)
         bounded(1, body.n)

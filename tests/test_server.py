@@ -505,3 +505,12 @@ def test_logprobs_tile_the_returned_text(client, model_id):
         assert "".join(c.token for c in content) == out.choices[0].message.content
         assert all(bytes(c.bytes).decode() == c.token for c in content)
     assert out.choices[0].finish_reason == "stop" and word not in out.choices[0].message.content
+
+
+def test_the_openapi_schema_documents_the_errors_we_answer(server):
+    """400 (not FastAPI's 422) and the other error answers, for schema-driven
+    clients and fuzzers (schemathesis: RESULTS.md)."""
+    schema = json.loads(urllib.request.urlopen(server + "/openapi.json", timeout=30).read())
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        answers = schema["paths"][path]["post"]["responses"]
+        assert "422" not in answers and {"200", "400", "401", "408", "413", "429", "503"} <= set(answers)
