@@ -80,7 +80,14 @@ def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage mistakes print one line, as other user errors do, not the whole usage block."""
+    """Usage mistakes print one line, as other user errors do, not the whole
+    usage block; every --flag_name is also --flag-name, the other common
+    spelling (the help shows the first)."""
+
+    def add_argument(self, *names, **kwargs):
+        dashed = [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n]
+        action = super().add_argument(*names, *[d for d in dashed if d not in names], **kwargs)
+        return action
 
     def error(self, message):
         print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
@@ -89,6 +96,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="brisk", description="Fast, hackable LLM inference.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"brisk-lm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="continue a prompt")

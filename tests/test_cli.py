@@ -174,3 +174,18 @@ def test_serve_without_the_server_extra_says_how_to_get_it(monkeypatch, capsys):
     assert cli.main(["serve", "--port", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pip install -e '.[server]'" in err and "fastapi" in err
+
+
+def test_flags_take_either_spelling_and_version_answers():
+    """--max-new-tokens as --max_new_tokens (as ollama's and llama.cpp's users
+    type them); --version says the package's version."""
+    import subprocess
+    import sys
+
+    from brisklm import __version__
+    from brisklm.cli import build_parser
+    args = build_parser().parse_args(["generate", "--max-new-tokens", "5", "--top-p", "0.5", "--checkpoint-path", "m"])
+    assert (args.max_new_tokens, args.top_p, args.checkpoint_path) == (5, 0.5, "m")
+    assert build_parser().parse_args(["serve", "--api-key", "k"]).api_key == "k"
+    done = subprocess.run([sys.executable, "-m", "brisklm", "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"brisk-lm {__version__}"
