@@ -31,6 +31,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Literal, Union
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import LLM, _text_pieces
 from .errors import BriskError
+from .sampling import SamplingParams, sample
 
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 16
@@ -286,18 +288,24 @@ class Engine:
             raise APIError(400, str(e)) from None
 
     def generate(self, ids: list[int], max_tokens: int, sampling: dict, stop, emit, cancelled,
-                 ignore_eos: bool = False) -> dict:
+                 ignore_eos: bool = False, top: int | None = None) -> dict:
         """In the worker: generate, call emit(text) per piece, stop when cancelled().
-        Returns the token ids generated and the finish reason."""
+        Returns the token ids generated and the finish reason. With top (a
+        stream with logprobs), emit(text, entries): the (token text, logprob,
+        [(id, logprob)] of the top alternatives) of the tokens whose text the
+        pieces so far hold."""
         if cancelled() or self.closing.is_set():
             return {"ids": [], "finish_reason": "cancelled"}
-        tokens, state = [], {"done": False}
+        tokens, state, entries = [], {"done": False}, []
         eos = set() if ignore_eos else set(self.llm.tokenizer.eos_ids)
         t0 = last = time.perf_counter()
+        source = (self.llm.stream_ids(ids, max_tokens, stop_ids=eos, **sampling) if top is None
+                  else self.scored(ids, max_tokens, sampling, eos, top, entries))
+        decoder, shares, released, emitted = self.llm.tokenizer.stream(), [], 0, 0
 
         def counted():  # (checked at every token: a stop string can hold text back for many)
             nonlocal last
-            for t in self.llm.stream_ids(ids, max_tokens, stop_ids=eos, **sampling):
+            for t in source:
                 if cancelled() or self.closing.is_set():
                     state["cancelled"] = True
                     return
@@ -306,21 +314,68 @@ class Engine:
                 last = now
                 tokens.append(t)
                 self.metrics.tokens.inc()
+                if top is not None and t not in eos:
+                    shares.append(decoder.push(t))
                 yield t
             state["done"] = True
+
+        def release(final=False) -> list:
+            """The entries of the tokens whose text has been emitted (final: also one cut by a stop string)."""
+            nonlocal released
+            out, end = [], sum(map(len, shares[:released]))
+            while released < len(shares):
+                start, end = end, end + len(shares[released])
+                if end > emitted and not (final and start < emitted):
+                    break
+                out.append((shares[released][:emitted - start], *entries[released][1:]))
+                released += 1
+            return out
 
         pieces = _text_pieces(self.llm.tokenizer, counted(), stop, ends=eos)
         try:
             for piece in pieces:
                 if cancelled() or self.closing.is_set():
                     return {"ids": tokens, "finish_reason": "cancelled"}
-                emit(piece)
+                emitted += len(piece)
+                emit(piece) if top is None else emit(piece, release())
         finally:
             pieces.close()
+        if top is not None and (rest := release(final=True)):
+            emit("", rest)
         if state.get("cancelled"):
             return {"ids": tokens, "finish_reason": "cancelled"}
         length = state["done"] and len(tokens) >= max_tokens and (not tokens or tokens[-1] not in eos)
         return {"ids": tokens, "finish_reason": "length" if length else "stop"}
+
+    def scored(self, ids: list[int], max_tokens: int, sampling: dict, eos: set, top: int, entries: list):
+        """Tokens made one forward each through Generator.logits, each with its
+        log-probability and the `top` most likely (appended to entries as
+        (token, logprob, [(id, logprob)])): a stream with logprobs, which plain
+        decoding's steps (tokens only, queued ahead) do not give."""
+        gen = self.llm.generator
+        try:
+            params = SamplingParams(*(sampling[k] for k in ("temperature", "top_k", "top_p", "min_p")))
+        except ValueError as e:
+            raise BriskError(str(e)) from None
+        self.llm.check(ids, max_tokens)
+        if sampling.get("seed") is not None:
+            torch.manual_seed(sampling["seed"])
+        gen.reset()
+        try:
+            with torch.no_grad():
+                logits = gen.logits(ids, 0, last=len(ids) - 1)[0, -1]
+                for i in range(max_tokens):
+                    token = int(sample(logits[None], params))
+                    logp = logits.float().log_softmax(-1)
+                    best = logp.topk(top) if top else None
+                    entries.append((token, float(logp[token]),
+                                    list(zip(best.indices.tolist(), best.values.tolist())) if top else []))
+                    yield token
+                    if token in eos or i + 1 == max_tokens:
+                        return
+                    logits = gen.logits(torch.tensor([token], device=gen.device), len(ids) + i, last=0)[0, -1]
+        finally:
+            gen.reset()  # (its cache no longer says what it holds)
 
 
 # --- the app ---------------------------------------------------------------------
@@ -454,8 +509,8 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         encoded = await asyncio.to_thread(encode_prompts, prompts)
         for _, ids in encoded:
             checked(ids, body.max_tokens or 16)
-        if body.stream and (body.logprobs is not None or body.echo):
-            raise APIError(400, "logprobs and echo are not supported with stream", param="logprobs")
+        if body.stream and body.echo:
+            raise APIError(400, "echo is not supported with stream", param="echo")
         jobs = [(text, ids, i) for text, ids in encoded for i in range(body.n)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
@@ -485,8 +540,6 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(1, min(4096, llm.generator.max_seq_length - len(ids)))
         checked(ids, max_tokens)
-        if body.stream and body.logprobs:
-            raise APIError(400, "logprobs are not supported with stream", param="logprobs")
         body.max_tokens = max_tokens
         jobs = [("", ids, i) for i in range(body.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -510,6 +563,12 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         engine.admit()  # (429 before the stream starts)
         loop = asyncio.get_running_loop()
 
+        top = None  # (with logprobs: how many alternatives a token)
+        if chat and body.logprobs:
+            top = body.top_logprobs or 0
+        elif not chat and body.logprobs is not None:
+            top = body.logprobs
+
         async def events():
             cancel = threading.Event()
             watcher = asyncio.create_task(watch_disconnect(request, cancel))
@@ -520,14 +579,19 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                     if chat:
                         yield sse({**meta, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}]})
-                    emit = lambda piece: loop.call_soon_threadsafe(queue.put_nowait, piece)  # noqa: E731
+                    emit = lambda *given: loop.call_soon_threadsafe(queue.put_nowait, given)  # noqa: E731
                     job = loop.run_in_executor(engine.worker, engine.generate, ids, body.max_tokens,
-                                               sampling_of(body, i), body.stop, emit, cancel.is_set, body.ignore_eos)
+                                               sampling_of(body, i), body.stop, emit, cancel.is_set, body.ignore_eos,
+                                               top)
                     job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
-                    while (piece := await queue.get()) is not None:
+                    offset = 0
+                    while (given := await queue.get()) is not None:
+                        piece, entries = given if len(given) == 2 else (given[0], None)
                         delta = {"content": piece} if chat else None
                         choice = {"index": index, "delta": delta} if chat else {"index": index, "text": piece}
-                        yield sse({**meta, "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
+                        logprobs = None if entries is None else streamed_logprobs(llm.tokenizer, entries, chat, offset)
+                        offset += len(piece)
+                        yield sse({**meta, "choices": [{**choice, "logprobs": logprobs, "finish_reason": None}]})
                     try:
                         out = await job
                     except Exception as e:  # (the status is sent already: the error goes in the stream, then [DONE])
@@ -612,6 +676,19 @@ def token_texts(tok, ids: list[int], text: str | None = None) -> list[str]:
         shares.append(share)
         total += len(share)
     return shares
+
+
+def streamed_logprobs(tok, entries: list, chat: bool, offset: int = 0) -> dict:
+    """A stream chunk's logprobs object for its tokens' (text, logprob,
+    [(id, logprob)] alternatives); offset: where the chunk's text starts."""
+    if chat:
+        return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()),
+                             "top_logprobs": [{"token": tok.decode([i]), "logprob": v,
+                                               "bytes": list(tok.decode([i]).encode())} for i, v in alts]}
+                            for text, lp, alts in entries]}
+    offsets = [offset + sum(len(text) for text, _, _ in entries[:k]) for k in range(len(entries))]
+    return {"tokens": [text for text, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "text_offset": offsets, "top_logprobs": [{tok.decode([i]): v for i, v in alts} for _, _, alts in entries]}
 
 
 def completion_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, echo: bool,

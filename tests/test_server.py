@@ -510,7 +510,33 @@ def test_logprobs_tile_the_returned_text(client, model_id):
 def test_the_openapi_schema_documents_the_errors_we_answer(server):
     """400 (not FastAPI's 422) and the other error answers, for schema-driven
     clients and fuzzers (schemathesis: RESULTS.md)."""
-    schema = json.loads(urllib.request.urlopen(server + "/openapi.json", timeout=30).read())
+    req = urllib.request.Request(server + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
+    schema = json.loads(urllib.request.urlopen(req, timeout=30).read())
     for path in ("/v1/completions", "/v1/chat/completions"):
         answers = schema["paths"][path]["post"]["responses"]
         assert "422" not in answers and {"200", "400", "401", "408", "413", "429", "503"} <= set(answers)
+
+
+def test_logprobs_while_streaming_equal_the_plain_ones(client, model_id):
+    """Streamed with logprobs: the same text, chunks whose tokens tile it, and
+    the log-probabilities of the plain answer (within 1e-4), for chat and for
+    completions cut by a stop string."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    kwargs = dict(model=model_id, messages=messages, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**kwargs)
+    chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    want = plain.choices[0].logprobs.content
+    assert text == plain.choices[0].message.content and "".join(e.token for e in streamed) == text
+    assert [e.token for e in streamed] == [e.token for e in want]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, want)) < 1e-4
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+    word = plain.choices[0].message.content.split()[2]
+    kwargs = dict(model=model_id, prompt="The capital of France is", max_tokens=12, temperature=0, logprobs=1,
+                  stop=[word])
+    plain = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks)
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert text == plain.choices[0].text and "".join(tokens) == text == "".join(plain.choices[0].logprobs.tokens)
