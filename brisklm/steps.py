@@ -215,7 +215,7 @@ class Steps:
             self._decode = replayed(functools.partial(decode_one_token, block=self.block))
         moe = model.args.num_local_experts > 0  # (its prefill groups tokens by expert on the host)
         self._prefill = forward
-        if compile_prefill and not moe:  # dynamic shapes, unGraphed: a new length may compile again
+        if compile_prefill and not moe:  # dynamic shapes, not graphed: a new length may compile again
             self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
         self.graphed_prefill = replayed(forward) if graphs and not moe and not compile_prefill else None
         self.graphed_forward = replayed(forward) if graphs else None
