@@ -77,7 +77,7 @@ def main():
     steps = gen.steps
 
     def captured():
-        return sum(len(getattr(f, "graphs", ())) for f in (steps._decode, steps.graphed_prefill, steps.sampler,
+        return sum(len(getattr(f, "graphs", ())) for f in (steps._decode, steps.sampler,
                                                             steps.graphed_forward, steps.graphed_rows))
 
     def run(n, sampling):

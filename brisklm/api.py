@@ -339,13 +339,12 @@ class LLM:
         """Whether the prompt and max_new_tokens fit the KV cache."""
         return len(prompt_ids) + max_new_tokens <= self.generator.max_seq_length
 
-    def warm_up(self, prompt_ids: list[int] | None = None, quiet: bool = True, **sampling) -> float:
+    def warm_up(self, prompt_ids: list[int] | None = None, quiet: bool = True) -> float:
         """Compile and capture every step a request can need (steps.Steps.warm_up:
         greedy and sampled decoding, every prefill bucket; with speculation, its
-        verify and draft steps), saying what it costs first, so that no request
-        waits for the compiler. Returns the seconds taken (0 when there is
-        nothing to prepare). prompt_ids and sampling: kept for callers that
-        pass them; every setting is warmed alike."""
+        verify and draft steps on prompt_ids), saying what it costs first, so
+        that no request waits for the compiler. Returns the seconds taken (0
+        when there is nothing to prepare)."""
         gen = self.generator
         steps = gen.steps
         if steps.warm or not (steps.compiled or steps.graphed or steps.graphed_prefill):

@@ -86,8 +86,7 @@ class _Parser(argparse.ArgumentParser):
 
     def add_argument(self, *names, **kwargs):
         dashed = [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n]
-        action = super().add_argument(*names, *[d for d in dashed if d not in names], **kwargs)
-        return action
+        return super().add_argument(*names, *[d for d in dashed if d not in names], **kwargs)
 
     def error(self, message):
         print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
@@ -261,7 +260,7 @@ def cmd_generate(args):
                                               seed=args.seed, **_sampling(args))
         show = lambda piece: print(piece, end="", flush=True)  # noqa: E731
     llm.check(prompt_ids, args.max_new_tokens)  # before any compile
-    llm.warm_up(prompt_ids, quiet=args.quiet, **_sampling(args))
+    llm.warm_up(prompt_ids, quiet=args.quiet)
     device = llm.generator.device
     rates = []
     for i in range(args.num_samples):
@@ -301,7 +300,7 @@ def cmd_chat(args):
     llm.require_tokenizer()  # no tokenizer (a preset): say so now, not after the first message
     messages = [{"role": "system", "content": args.system}] if args.system else []
     start = list(messages)
-    llm.warm_up(llm.chat_ids(start + [{"role": "user", "content": "Hi"}]), quiet=False, **_sampling(args))
+    llm.warm_up(llm.chat_ids(start + [{"role": "user", "content": "Hi"}]), quiet=False)
     print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
     told_of_dropping = False
     capacity = llm.generator.max_seq_length

@@ -337,7 +337,10 @@ class Engine:
                 if cancelled() or self.closing.is_set():
                     return {"ids": tokens, "finish_reason": "cancelled"}
                 emitted += len(piece)
-                emit(piece) if top is None else emit(piece, release())
+                if top is None:
+                    emit(piece)
+                else:
+                    emit(piece, release())
         finally:
             pieces.close()
         if top is not None and (rest := release(final=True)):
@@ -507,14 +510,14 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             raise APIError(400, "the prompt is empty", param="prompt")
         bounded(len(prompts), body.n)
         encoded = await asyncio.to_thread(encode_prompts, prompts)
+        body.max_tokens = body.max_tokens or 16  # (null: OpenAI's default)
         for _, ids in encoded:
-            checked(ids, body.max_tokens or 16)
+            checked(ids, body.max_tokens)
         if body.stream and body.echo:
             raise APIError(400, "echo is not supported with stream", param="echo")
         jobs = [(text, ids, i) for text, ids in encoded for i in range(body.n)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
-        body.max_tokens = body.max_tokens or 16
         if body.stream:
             return stream(request, jobs, body, meta, chat=False)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
@@ -589,7 +592,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                         piece, entries = given if len(given) == 2 else (given[0], None)
                         delta = {"content": piece} if chat else None
                         choice = {"index": index, "delta": delta} if chat else {"index": index, "text": piece}
-                        logprobs = None if entries is None else streamed_logprobs(llm.tokenizer, entries, chat, offset)
+                        logprobs = None if entries is None else logprobs_object(llm.tokenizer, entries, chat, offset)
                         offset += len(piece)
                         yield sse({**meta, "choices": [{**choice, "logprobs": logprobs, "finish_reason": None}]})
                     try:
@@ -678,50 +681,43 @@ def token_texts(tok, ids: list[int], text: str | None = None) -> list[str]:
     return shares
 
 
-def streamed_logprobs(tok, entries: list, chat: bool, offset: int = 0) -> dict:
-    """A stream chunk's logprobs object for its tokens' (text, logprob,
-    [(id, logprob)] alternatives); offset: where the chunk's text starts."""
+def logprobs_object(tok, entries, chat: bool, offset: int = 0, top: bool = True) -> dict:
+    """OpenAI's logprobs object for tokens' (text, logprob, [(id, logprob)] of
+    the alternatives, or None): chat's `content` list, or completions'
+    parallel lists (offset: where the first token's text starts; top=False:
+    no top_logprobs asked)."""
     if chat:
         return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode()),
                              "top_logprobs": [{"token": tok.decode([i]), "logprob": v,
                                                "bytes": list(tok.decode([i]).encode())} for i, v in alts]}
                             for text, lp, alts in entries]}
-    offsets = [offset + sum(len(text) for text, _, _ in entries[:k]) for k in range(len(entries))]
+    offsets, at = [], offset
+    for text, _, _ in entries:
+        offsets.append(at)
+        at += len(text)
     return {"tokens": [text for text, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "text_offset": offsets, "top_logprobs": [{tok.decode([i]): v for i, v in alts} for _, _, alts in entries]}
+            "text_offset": offsets, "top_logprobs": [None if alts is None else {tok.decode([i]): v for i, v in alts}
+                                                     for _, _, alts in entries] if top else None}
 
 
 def completion_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, echo: bool,
                         completion: str) -> dict:
-    """OpenAI's completions `logprobs` object for the returned tokens (and the prompt's with echo)."""
+    """The completions `logprobs` object for the returned tokens (and the prompt's with echo)."""
     tok = llm.tokenizer
     texts = token_texts(tok, ids, completion)
-    ids = ids[:len(texts)]
-    chosen, alternatives = llm.score(prompt_ids + ids, top)
+    chosen, alternatives = llm.score(prompt_ids + ids[:len(texts)], top)
     first = 0 if echo else len(prompt_ids)
     texts = (token_texts(tok, prompt_ids) if echo else []) + texts
-    logprobs = ([None] + chosen)[first:]
-    tops = ([None] + alternatives)[first:]
-    offsets, at = [], 0
-    for text in texts:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets,
-            "top_logprobs": [None if t is None else {tok.decode([i]): lp for i, lp in t} for t in tops]
-            if top else None}
+    entries = zip(texts, ([None] + chosen)[first:], ([None] + alternatives)[first:])
+    return logprobs_object(tok, list(entries), chat=False, top=bool(top))
 
 
 def chat_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, reply: str) -> dict:
     tok = llm.tokenizer
     texts = token_texts(tok, ids, reply)
-    ids = ids[:len(texts)]
-    chosen, alternatives = llm.score(prompt_ids + ids, top)
-    content = []
-    for text, lp, alts in zip(texts, chosen[len(prompt_ids) - 1:], alternatives[len(prompt_ids) - 1:]):
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": tok.decode([i]), "logprob": v,
-                                          "bytes": list(tok.decode([i]).encode())} for i, v in alts]})
-    return {"content": content}
+    chosen, alternatives = llm.score(prompt_ids + ids[:len(texts)], top)
+    start = len(prompt_ids) - 1
+    return logprobs_object(tok, list(zip(texts, chosen[start:], alternatives[start:])), chat=True)
 
 
 def guarded_h11():
@@ -792,8 +788,9 @@ def raise_descriptor_limit() -> int:
     try:
         import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 16, hard))
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+        if soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, ValueError, OSError):
         return 1024

@@ -217,8 +217,8 @@ class Steps:
         self._prefill = forward
         if compile_prefill and not moe:  # dynamic shapes, not graphed: a new length may compile again
             self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
-        self.graphed_prefill = replayed(forward) if graphs and not moe and not compile_prefill else None
-        self.graphed_forward = replayed(forward) if graphs else None
+        self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
+        self.graphed_prefill = self.graphed_forward if not moe and not compile_prefill else None
         self.graphed_rows = replayed(functools.partial(forward, block=self.block)) if self.block else None
         self.sampler = replayed(sample) if graphs else sample
 
@@ -301,8 +301,7 @@ class Steps:
         token, pos = torch.zeros(1, dtype=torch.long, device=self.device), torch.zeros(1, dtype=torch.long,
                                                                                      device=self.device)
         for settings in variants:
-            self.decode(token, pos, settings, kv_len=1)
-            for _ in range(2):  # (compiled whole: a cudagraph tree records at its second run)
+            for _ in range(3):  # (compiled whole: a cudagraph tree records at its second run)
                 self.decode(token, pos, settings, kv_len=1)
         if self.graphed_prefill is not None:
             for bucket, kv_len in prefill_shapes(self.max_seq_length, self.kernel_tokens):
@@ -315,7 +314,7 @@ class Steps:
                 self.sampler(logits, settings)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return sum(len(getattr(f, "graphs", ())) for f in (self._decode, self.graphed_prefill, self.sampler))
+        return sum(len(getattr(f, "graphs", ())) for f in (self._decode, self.graphed_forward, self.sampler))
 
     def warm_speculative(self, rows: int, prompt_ids: list[int], draft=None, depth=None):
         """Compile (and capture) the verify step of `rows` tokens and a draft's

@@ -135,6 +135,7 @@ class HFBackend:
     def __init__(self, tok):
         self.tok = tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.literal = None  # a copy that reads special tokens' text as text (made when first needed)
 
     @classmethod
     def from_file(cls, path):
@@ -148,7 +149,7 @@ class HFBackend:
         """Ids of text in which special tokens' text is text."""
         if not text:
             return []
-        if not hasattr(self, "literal"):
+        if self.literal is None:
             from tokenizers import Tokenizer as _Tok
             self.literal = _Tok.from_str(self.tok.to_str())
             self.literal.encode_special_tokens = True
