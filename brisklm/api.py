@@ -198,7 +198,7 @@ def plan_memory(args, device: torch.device, dtype, quantize: str, groupsize: int
     cache = per_position * max_seq_length if max_seq_length else 0
     gb = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"  # noqa: E731
     what = {"none": f"{str(dtype).replace('torch.', '')} weights", "auto": "weights",
-            "gguf": "weights"}.get(quantize, f"{quantize} weights") + (" (as the file stores them)" if given else "")
+            "gguf": "weights"}.get(quantize, f"{quantize} weights") + (" (as stored)" if given else "")
     if free is None:
         return
     log(f"Memory plan on {device}: {gb(weights)} of {what}"
@@ -208,7 +208,7 @@ def plan_memory(args, device: torch.device, dtype, quantize: str, groupsize: int
     if weights > budget:
         smaller = [(m, weight_bytes(args, dtype, m, 128)) for m in ("int8", "int4")]
         fits = [f"--quantize {m}{' --groupsize 128' if m == 'int4' else ''} ({gb(b)})"
-                for m, b in smaller if b <= budget and b < weights]
+                for m, b in smaller if b <= budget and b < (0.8 if given else 1) * weights]  # (not what it is)
         raise BriskError(f"{name}: {gb(weights)} of {what} do not fit the {gb(free)} free on {device}"
                          + (f"; {' or '.join(fits)} would" if fits else "; not even as int4 (a smaller model, "
                             "or a device with more memory)"))
@@ -635,8 +635,14 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         keep = quantize in ("gguf", "auto") and kind == "gguf" and world == 1  # (tp: blocks are widened, then split)
 
         def plan(args):  # (the reader calls it with the shapes, before any tensor)
+            stored = None  # what the file or folder stores, where the load keeps it so
+            if keep:
+                stored = os.path.getsize(where)
+            elif kind == "native" and transform is None:
+                from .checkpoints.native import stored_bytes
+                stored = stored_bytes(where, dtype)
             plan_memory(shapes(args), torch.device(device), dtype, quantize, groupsize, kv_int8, max_seq_length,
-                        weights=os.path.getsize(where) if keep else None, name=where, quiet=quiet)
+                        weights=stored, name=where, quiet=quiet)
         log(f"Loading {path or 'the bundled default model'} on {device} ({dtype}){as_loaded}...", quiet)
         with out_of_memory(where, device, "loading the weights"), gptq_errors(where, quantize):
             ckpt = load_checkpoint(where, device=device, dtype=dtype, progress=None if quiet else progress_bar,

@@ -180,3 +180,25 @@ def test_stacking_experts_does_not_keep_the_loaded_copies_alive(monkeypatch):
     monkeypatch.setattr(MoEFeedForward, "prepare", prepare_after_check)
     brisklm.load(preset="tiny-moe", device="cpu", compile=False)
     assert loaded and alive_at_prepare and alive_at_prepare == [0] * len(alive_at_prepare)
+
+
+def test_a_quantized_native_folder_is_planned_at_what_it_stores(tmp_path, monkeypatch, capsys):
+    """An int4 folder from `brisk quantize` loads where its dense model would
+    not fit: the plan reads the folder's tensors, not the dense shapes."""
+    from brisklm.checkpoints.native import save_native
+    from brisklm.model import canonical_names
+    args = ModelArgs(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2)
+    dense = random_state_dict(args, torch.float32, std=0.1)
+    dense_bytes = sum(t.numel() * 2 for t in dense.values())  # in bf16
+    qargs, state = quantize_state_dict(args, dense, "int4", 32)
+    save_native(str(tmp_path), qargs, state, None, quantization={"mode": "int4"})
+    names = set(canonical_names(qargs))  # dense tensors load in bf16, quantized entries as they are
+    stored = sum(t.numel() * (2 if k in names else t.element_size()) for k, t in state.items())
+    assert stored < 0.5 * dense_bytes
+    free = (stored + dense_bytes) / 2 / api.PLAN_SHARE  # room for the int4 folder, not for the dense model
+    monkeypatch.setattr(api, "free_memory_bytes", lambda device: free)
+    llm = brisklm.load(str(tmp_path), device="cpu", dtype="bfloat16", max_seq_length=16, quiet=False)
+    err = capsys.readouterr().err
+    assert f"Memory plan on cpu: {stored / 1e6:.0f} MB of weights (as stored)" in err, (err, stored)
+    assert len(llm.score([1, 2, 3])[0]) == 2  # (it loaded, and runs)

@@ -106,6 +106,34 @@ def read_metadata(folder: str) -> dict:
     return info
 
 
+def stored_bytes(folder: str, dtype) -> int:
+    """Bytes the folder's weights take once loaded in `dtype`, from the
+    safetensors headers alone: dense tensors in `dtype`, quantized entries
+    (integers and their scales) as stored."""
+    import struct
+
+    import torch
+    info = read_metadata(folder)
+    dense = set(canonical_names(ModelArgs(**info["model_args"])))
+    total = 0
+    for name in sorted(set((info.get("weight_map") or {}).values()) or {"model.safetensors"}):
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        except (OSError, ValueError, struct.error) as e:
+            raise BriskError(f"{path}: corrupt, truncated or missing weights file ({e})") from None
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            start, end = entry["data_offsets"]
+            numel = 1
+            for n in entry["shape"]:
+                numel *= n
+            total += numel * torch.empty((), dtype=dtype).element_size() if key in dense else end - start
+    return total
+
+
 def load_native(folder: str, device, dtype, progress=None, transform=None, plan=None) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
     info = read_metadata(folder)
