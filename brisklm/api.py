@@ -633,6 +633,11 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         from .checkpoints import resolve
         kind, where = resolve(path)
         keep = quantize in ("gguf", "auto") and kind == "gguf" and world == 1  # (tp: blocks are widened, then split)
+        if keep and quantize == "auto" and dtype == torch.float32 and torch.device(device).type == "cpu":
+            # (the CPU's int4 kernel takes fp32 inputs one row at a time: a prefill or a scoring pass
+            # would run many times slower than the dense fp32 model, which is the exact one anyway)
+            keep = False
+            log("float32 on a CPU: the GGUF's quantized matrices are dequantized (--quantize gguf keeps them)", quiet)
 
         def plan(args):  # (the reader calls it with the shapes, before any tensor)
             stored = None  # what the file or folder stores, where the load keeps it so

@@ -347,3 +347,17 @@ def test_embedding_is_int8_and_reproduces_q8_0_blocks(smollm2_gguf):
     table = q.numel() + scale.numel() * 4
     assert weight_bytes_per_token(model) < sum(
         t.numel() * t.element_size() for n, t in state.items()) - table + 2 * q.shape[1] * 4
+
+
+@pytest.mark.slow
+def test_float32_on_a_cpu_dequantizes_the_gguf_blocks_unless_asked_to_keep_them(smollm2_gguf):
+    """The CPU's int4 kernel is slow with fp32 inputs (a scoring pass many times
+    the dense model's), so fp32 by default runs the dense, exact model."""
+    import brisklm
+    from brisklm.quantize import Int4WeightOnlyLinear
+
+    def int4_layers(llm):
+        return sum(isinstance(m, Int4WeightOnlyLinear) for m in llm.model.modules())
+    assert int4_layers(brisklm.load(smollm2_gguf, device="cpu", dtype="float32", warm_up=False)) == 0
+    assert int4_layers(brisklm.load(smollm2_gguf, device="cpu", dtype="float32", quantize="gguf",
+                                    warm_up=False)) == 4 * 30
