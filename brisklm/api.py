@@ -415,7 +415,9 @@ class LLM:
         """Yield the continuation's text as it is produced (never broken UTF-8).
 
         Stops at the tokenizer's end tokens and before any of the stop strings;
-        the end token and the stop string are not part of the text."""
+        the end token and the stop string are not part of the text. sampling:
+        temperature, top_k, top_p, min_p, seed, stop_ids (as stream_ids)."""
+        check_keywords("stream", sampling, "stop")
         ids = self.require_tokenizer().encode(prompt)
         return self.stream_ids_as_text(ids, max_new_tokens, stop, **sampling)
 
@@ -425,6 +427,7 @@ class LLM:
 
     def generate(self, prompt: str, max_new_tokens: int = 256, **kwargs) -> str:
         """The continuation of prompt (not including the prompt)."""
+        check_keywords("generate", kwargs, "stop")
         return "".join(self.stream(prompt, max_new_tokens, **kwargs))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt=True) -> str:
@@ -450,11 +453,29 @@ class LLM:
         return tok.encode_literal(text, contents)
 
     def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
+        check_keywords("chat_stream", kwargs, "stop")
         return self.stream_ids_as_text(self.chat_ids(messages), max_new_tokens, kwargs.pop("stop", None), **kwargs)
 
     def chat(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> str:
         """The assistant's reply to a conversation [{"role": ..., "content": ...}, ...]."""
+        check_keywords("chat", kwargs, "stop")
         return "".join(self.chat_stream(messages, max_new_tokens, **kwargs))
+
+
+SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop_ids")
+
+
+def check_keywords(method: str, given: dict, *more: str):
+    """A TypeError that names the public method and the keyword meant, not
+    the internal one a mistyped keyword would reach."""
+    import difflib
+    known = (*more, *SAMPLING_KEYWORDS)
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, ("max_new_tokens", *known), 1)
+            raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else f" (it takes max_new_tokens, "
+                                                                              f"{', '.join(known)})"))
 
 
 def _first_stop(text: str, stops: list[str]) -> int:

@@ -558,3 +558,12 @@ def test_cli_negative_temperature_prints_one_error_line(hf_folder, tmp_path):
     result = run_cli(tmp_path, "generate", "--checkpoint_path", hf_folder, "--device", "cpu",
                      "--temperature", "-1", "--max_new_tokens", "2")
     assert_cli_error(result, "temperature")
+
+
+def test_a_mistyped_keyword_names_the_method_called_and_the_keyword_meant(llm):
+    with pytest.raises(TypeError, match=r"LLM\.generate\(\) .*'max_tokens'; did you mean 'max_new_tokens'\?"):
+        llm.generate("hi", max_tokens=3)
+    with pytest.raises(TypeError, match=r"LLM\.chat\(\) .*'temprature'; did you mean 'temperature'\?"):
+        llm.chat([{"role": "user", "content": "hi"}], temprature=0.5)
+    with pytest.raises(TypeError, match=r"LLM\.stream\(\) .*'colour' \(it takes max_new_tokens, stop, temperature"):
+        llm.stream("hi", colour=1)
