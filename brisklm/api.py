@@ -388,20 +388,26 @@ class LLM:
         positions the `top` most likely tokens with their log-probabilities
         (an evaluation's log-likelihoods; the server's logprobs).
 
+        The last token is only predicted, never run, so ids may be one longer
+        than the KV cache (as an evaluation's window of max_length inputs is).
         Keys and values of a prefix shared with what the cache holds are
         reused (the choices of one question share its context), so only the
         tokens after it run through the model."""
         gen = self.generator
-        if not 1 <= len(ids) <= gen.max_seq_length:
-            raise BriskError(f"{len(ids)} tokens to score; the KV cache holds 1..{gen.max_seq_length}")
+        if not 1 <= len(ids) <= gen.max_seq_length + 1:
+            raise BriskError(f"{len(ids)} tokens to score; 1..{gen.max_seq_length + 1} fit "
+                             f"(a KV cache of {gen.max_seq_length}, and the last token predicted)")
         start = max(1, start)
+        if start >= len(ids):
+            return [], []
+        inputs = ids[:-1]
         reuse = 0  # (the logits at start - 1 must be computed)
-        while reuse < min(len(gen.cached), start - 1) and gen.cached[reuse] == ids[reuse]:
+        while reuse < min(len(gen.cached), start - 1) and gen.cached[reuse] == inputs[reuse]:
             reuse += 1
-        gen.cached = list(ids[:reuse])
+        gen.cached = list(inputs[:reuse])
         with torch.no_grad():
-            logits = gen.logits(ids[reuse:], reuse)[0, start - 1 - reuse:len(ids) - 1 - reuse]
-        gen.cached = list(ids)
+            logits = gen.logits(inputs[reuse:], reuse)[0, start - 1 - reuse:]
+        gen.cached = list(inputs)
         logp = logits.float().log_softmax(-1)
         targets = torch.tensor(ids[start:], device=logp.device)
         chosen = logp.gather(1, targets[:, None])[:, 0].tolist()

@@ -8,9 +8,11 @@
   values of a prefix the cache already holds (a question's choices share
   its context, so each choice costs only its own tokens);
 - loglikelihood_rolling(text): the whole text, conditioned on the BOS token
-  (or the end token where a model has none), in windows of the KV cache's
-  length as the harness lays them out (each token predicted once, the last
-  window given a full context);
+  (or the end token where a model has none), in windows as lm-eval's hf model
+  lays them out (lm_eval.utils.get_rolling_token_windows: each token predicted
+  once, the last window given a full context), so a text of any length scores;
+- a request longer than the cache keeps its last max_length inputs and the
+  token they predict, as the hf model does;
 - generate_until(context, {until, max_gen_toks, temperature, ...}): the
   engine's own generation, stopping before any `until` string.
 
@@ -56,7 +58,12 @@ class BriskLM(LM):
         results = []
         for i, request in enumerate(requests):
             context, continuation = self.pair(*request.args)
-            ids = (context + continuation)[-self.max_length:]  # (the context loses its oldest tokens)
+            if len(continuation) > self.max_length:
+                raise BriskError(f"a continuation of {len(continuation)} tokens is longer than the KV cache "
+                                 f"({self.max_length}): give a larger --max_seq_length")
+            # max_length inputs and the last token predicted, as lm-eval's hf model runs them
+            # (the context loses its oldest tokens)
+            ids = (context + continuation)[-(self.max_length + 1):]
             start = len(ids) - len(continuation)
             chosen, best = self.llm.score(ids, top=1, start=start)
             greedy = all(b[0][0] == t for b, t in zip(best, continuation))

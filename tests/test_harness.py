@@ -1,10 +1,13 @@
-"""lm-evaluation-harness through brisk eval --tasks, on the bundled SmolLM2.
+"""lm-evaluation-harness through brisk eval --tasks, on the bundled SmolLM2
+and on tiny random models built here.
 
 The harness's requests are answered by the engine (api.LLM.score and its
 generation); the numbers are checked against the engine's own perplexity
 path (evaluate.negative_log_likelihood: plain windows of one forward each,
-its own model instance), in fp32, to 1e-4."""
+its own model instance), and against lm-eval's own `hf` model on the same
+weights, in fp32, to 1e-4."""
 import json
+import os
 import subprocess
 import sys
 
@@ -15,6 +18,7 @@ pytest.importorskip("lm_eval")
 
 import brisklm  # noqa: E402
 from brisklm.evaluate import negative_log_likelihood  # noqa: E402
+from brisklm.errors import BriskError  # noqa: E402
 from brisklm.harness import BriskLM  # noqa: E402
 
 QUESTIONS = [("What is the capital of France?", [" Paris", " Berlin", " Madrid"], 0),
@@ -25,6 +29,78 @@ QUESTIONS = [("What is the capital of France?", [" Paris", " Berlin", " Madrid"]
 class Request:  # (the harness's Instance: its args are all the model reads)
     def __init__(self, *args):
         self.args = args
+
+
+TEXT = ("The river rises in the hills north of the town and runs south through fields of wheat. "
+        "Question: What is the capital of France? Answer: Paris. How many legs does a spider have? Eight. "
+        "Once upon a time there was a small fox who lived near the water and ate berries every day. ")
+
+
+def tiny_hf_folder(folder, context: int = 256) -> str:
+    """A tiny random Llama saved by transformers, with a byte-level BPE trained
+    here on TEXT (a BOS token that is not added, as SmolLM2's), loadable by
+    AutoTokenizer as lm-eval's hf model loads it."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|bos|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
+                                         bos_token="<|bos|>").save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=context, bos_token_id=1, eos_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_hf_folder(tmp_path_factory.mktemp("tiny"))
+
+
+def hf_model(folder, max_length: int):
+    """lm-eval's own hf model on the folder's weights, fp32, its context cut to max_length."""
+    from lm_eval.models.huggingface import HFLM
+    return HFLM(pretrained=folder, max_length=max_length, dtype="float32", device="cpu", batch_size=1)
+
+
+def instances(kind: str, args: list[tuple]):
+    from lm_eval.api.instance import Instance
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+def test_rolling_loglikelihood_of_documents_past_the_cache_equals_lm_evals_hf(tiny):
+    """Documents 3x the KV cache (and ones about its length, one short) score
+    window by window as lm-eval's hf model scores them."""
+    lm = BriskLM(brisklm.load(tiny, device="cpu", dtype="float32", max_seq_length=32, quiet=True))
+    words = (TEXT * 3).split()
+    docs = [" ".join(words[:n]) for n in range(1, len(words))]
+    docs = [next(d for d in docs if len(lm.encode(d)) >= 3 * 32), next(d for d in docs if len(lm.encode(d)) >= 32),
+            [d for d in docs if len(lm.encode(d)) < 32][-1], "Paris"]
+    requests = instances("loglikelihood_rolling", [(d,) for d in docs])
+    want = hf_model(tiny, 32).loglikelihood_rolling(requests, disable_tqdm=True)
+    got = lm.loglikelihood_rolling(requests)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4, (got, want)
+
+
+def test_truncated_multiple_choice_requests_keep_the_context_lm_evals_hf_keeps(tiny):
+    """Requests longer than the cache lose their oldest context tokens, as
+    many as lm-eval's hf model drops (it feeds max_length tokens and scores
+    the one they predict)."""
+    lm = BriskLM(brisklm.load(tiny, device="cpu", dtype="float32", max_seq_length=16, quiet=True))
+    context = "Once upon a time there was a small fox. Question: What is the capital of France? Answer:"
+    requests = instances("loglikelihood", [(context, c) for c in (" Paris", " Eight", " the water and")])
+    assert all(sum(map(len, lm.pair(*r.args))) > 17 for r in requests)
+    want = hf_model(tiny, 16).loglikelihood(requests, disable_tqdm=True)
+    got = lm.loglikelihood(requests)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) <= 1e-4, (got, want)
+    with pytest.raises(BriskError, match=r"continuation of \d+ tokens is longer than the KV cache \(16\)"):
+        lm.loglikelihood(instances("loglikelihood", [("Hi", " ".join(["fox"] * 17))]))
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +116,7 @@ def reference_logprob(reference, ids, start):
     return -(whole - head)
 
 
+@pytest.mark.slow
 def test_loglikelihoods_equal_the_perplexity_path_and_reuse_the_shared_context(smol_llm, reference):
     lm = BriskLM(smol_llm)
     for question, choices, _ in QUESTIONS:
@@ -50,7 +127,8 @@ def test_loglikelihoods_equal_the_perplexity_path_and_reuse_the_shared_context(s
             assert ctx + cont == lm.encode(context + choice)  # (no BOS for SmolLM2)
             assert abs(logprob - reference_logprob(reference, ctx + cont, len(ctx))) <= 1e-4
         # the cache holds the last request, whose context the next choice reuses
-        assert smol_llm.generator.cached == lm.encode(context + choices[-1])
+        # (all but its last token, which is only predicted)
+        assert smol_llm.generator.cached == lm.encode(context + choices[-1])[:-1]
     # an answer the model would give itself is greedy
     context = "The capital of France is"
     best = smol_llm.generate(context, max_new_tokens=1, temperature=0)
@@ -58,6 +136,7 @@ def test_loglikelihoods_equal_the_perplexity_path_and_reuse_the_shared_context(s
     assert not lm.loglikelihood([Request(context, " the moon and a bicycle")])[0][1]
 
 
+@pytest.mark.slow
 def test_rolling_loglikelihood_covers_every_token_once_in_windows_of_the_cache(smol_llm, reference):
     text = "The river rises in the hills north of the town and runs south through fields of wheat. " * 6
     lm = BriskLM(smol_llm)
