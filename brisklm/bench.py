@@ -192,6 +192,32 @@ def _to_hf_state_dict(args, state):
     return out
 
 
+LLAMA_CONFIG = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+                "max_position_embeddings", "tie_word_embeddings", "attention_bias", "hidden_act")
+
+
+def dense_weights(llm) -> dict:
+    """The model's canonical weights, dense, for a peer that reads no
+    quantized formats: its own where it holds them so, else the checkpoint
+    read again without quantizing (a preset: random weights of its shape)."""
+    from .api import log
+    from .model import canonical_names, random_state_dict
+    args, device, dtype = llm.model.args, llm.generator.device, llm.model.norm.weight.dtype
+    state = dict(llm.model.state_dict())
+    names = canonical_names(args)
+    if all(name in state for name in names):
+        return state
+    from .checkpoints import resolve
+    try:
+        resolve(llm.name)
+    except BriskError:  # a preset
+        return random_state_dict(args, dtype, device)
+    from .checkpoints import load
+    log(f"Peer: reading {llm.name} again, dense ({dtype}), as transformers runs it...")
+    return load(llm.name, device=str(device), dtype=dtype).state_dict
+
+
 def hf_peer_figures(llm, prompt_len, new_tokens, samples, static=True, ttft_lengths=()):
     """transformers' LlamaForCausalLM on the same weights: static cache,
     auto-compiled (static), or its default dynamic cache, eager. Time to first
@@ -201,11 +227,10 @@ def hf_peer_figures(llm, prompt_len, new_tokens, samples, static=True, ttft_leng
     if args.qk_norm or args.sandwich_norms or args.no_rope_layers or args.attention_bias or args.num_local_experts:
         raise BriskError("--peer hf runs transformers' LlamaForCausalLM: it compares Llama-architecture "
                          "models only (this one has q/k norms, extra norms, layers without RoPE, biases or experts)")
-    config = transformers.LlamaConfig(**{k: v for k, v in args.to_dict().items()
-                                         if k not in ("num_local_experts", "num_experts_per_tok", "sliding_window")})
+    config = transformers.LlamaConfig(**{k: v for k, v in args.to_dict().items() if k in LLAMA_CONFIG and v is not None})
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    state = _to_hf_state_dict(args, dict(llm.model.state_dict()))
+    state = _to_hf_state_dict(args, dense_weights(llm))
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     rope = type(model.model.rotary_emb)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from brisklm.bench import _to_hf_state_dict, kv_bytes_per_position, prefill_flops
+from brisklm.bench import LLAMA_CONFIG, _to_hf_state_dict, dense_weights, hf_peer_figures, kv_bytes_per_position, prefill_flops
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.presets import preset
 
@@ -55,13 +55,27 @@ def test_the_peer_gets_the_same_weights():
     state = random_state_dict(TINY, torch.float32, std=0.3)
     ours = build_model(TINY, state)
     ours.setup_caches(1, 16)
-    config = transformers.LlamaConfig(**{k: v for k, v in TINY.to_dict().items()
-                                         if k not in ("num_local_experts", "num_experts_per_tok")})
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY.to_dict().items() if k in LLAMA_CONFIG and v is not None})
     ref = transformers.LlamaForCausalLM(config).eval()
     ref.load_state_dict(_to_hf_state_dict(TINY, state))
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         assert (ours(ids, torch.arange(5)) - ref(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_peer_runs_on_the_bundled_model_whose_blocks_we_keep_quantized(smollm2_gguf):
+    """The default model keeps its Q4_1 blocks as int4; transformers gets the
+    same weights dense (and a config it accepts: no None fields)."""
+    pytest.importorskip("transformers")
+    import brisklm
+    llm = brisklm.load(smollm2_gguf, device="cpu", warm_up=False)
+    state = dense_weights(llm)
+    dense = brisklm.load(smollm2_gguf, device="cpu", quantize="none", warm_up=False).model.state_dict()
+    assert set(dense) - set(state) <= {"output.weight"}  # (tied: the embedding's)
+    assert all(torch.equal(state[k], dense[k]) for k in state)
+    figures = hf_peer_figures(llm, prompt_len=4, new_tokens=2, samples=1, static=False)
+    assert figures["tokens_per_s"] > 0
 
 
 @pytest.mark.slow
