@@ -294,72 +294,15 @@ def cmd_generate(args):
 
 
 def cmd_chat(args):
-    from .chat import drop_oldest_turns
+    from .checkpoints.hub import cache_dir
+    from .repl import chat
     _check_sampling(args)
     llm = _load(args)
     llm.require_tokenizer()  # no tokenizer (a preset): say so now, not after the first message
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    start = list(messages)
+    start = [{"role": "system", "content": args.system}] if args.system else []
     llm.warm_up(llm.chat_ids(start + [{"role": "user", "content": "Hi"}]), quiet=False)
-    print("Chat with the model. /reset starts over, /exit or Ctrl-D leaves.", file=sys.stderr)
-    told_of_dropping = False
-    capacity = llm.generator.max_seq_length
-    while True:
-        line = shared_input("> ")
-        if line is None:
-            print(file=sys.stderr)
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            messages = list(start)
-            continue
-        if not line.strip():
-            continue
-        # The oldest turns make room for this one, and a whole reply, in the KV cache.
-        asked, dropped = drop_oldest_turns(messages + [{"role": "user", "content": line}],
-                                           lambda m: llm.fits(llm.chat_ids(m), args.max_new_tokens))
-        ids = llm.chat_ids(asked)
-        if len(ids) >= capacity:
-            print(f"error: this message makes a prompt of {len(ids)} tokens, more than the KV cache of "
-                  f"{capacity} holds ({llm.cache_advice()}); it was not sent", file=sys.stderr)
-            continue
-        if dropped and not told_of_dropping:
-            print(f"(The conversation outgrew the KV cache of {capacity} tokens: its oldest turns are left "
-                  f"out from now on" + (", the system message kept" if args.system else "") + ".)",
-                  file=sys.stderr)
-            told_of_dropping = True
-        reply = []
-        try:
-            for piece in llm.stream_ids_as_text(ids, min(args.max_new_tokens, capacity - len(ids)), args.stop,
-                                                seed=args.seed, **_sampling(args)):
-                reply.append(piece)
-                print(piece, end="", flush=True)
-        except BriskError as e:  # this turn fails; the conversation goes on without it
-            print(f"\nerror: {e}", file=sys.stderr)
-            continue
-        print()
-        messages = asked + [{"role": "assistant", "content": "".join(reply)}]
-        s = llm.stats
-        print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s, "
-              f"{s.reused_tokens}/{s.prompt_tokens} prompt tokens from the cache]", file=sys.stderr)
-
-
-def shared_input(prompt: str) -> str | None:
-    """A line the user typed (None: they left), read by rank 0 and the same on
-    every tensor-parallel rank, whose steps must follow the same turns."""
-    import torch.distributed as dist
-    line = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            line = input(prompt)
-        except (EOFError, KeyboardInterrupt):
-            line = None
-    if dist.is_initialized():
-        box = [line]
-        dist.broadcast_object_list(box, src=0)
-        line = box[0]
-    return line
+    chat(llm, args.system, args.max_new_tokens, args.stop, args.seed, _sampling(args),
+         history_file=os.path.join(cache_dir(), "chat_history"))
 
 
 def cmd_convert(args):
