@@ -9,6 +9,11 @@ generation at the next token, streamed or not. Every error is a JSON body in
 OpenAI's format ({"error": {"message", "type", "param", "code"}}), never a
 traceback.
 
+For evaluation clients (lm-eval's local-completions): prompts as token lists;
+echo + logprobs scores the prompt in one pass, which generation then reuses
+(`max_tokens: 0` scores only); the tokenizer at /tokenize, /detokenize and
+/tokenizer_info, as vLLM serves them, so a client counts the model's tokens.
+
 Against careless and hostile clients: the body limit counts the bytes read,
 whatever the framing (`Gate`, which also times out a body sent too
 slowly); a request's headers must arrive within HEADER_TIMEOUT_S
@@ -184,7 +189,7 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: Union[Text, list[Text], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)  # (null: OpenAI's default, 16)
+    max_tokens: int | None = Field(16, ge=0)  # (null: OpenAI's default, 16; 0 with echo: score the prompt only)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -207,6 +212,21 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TokenizeRequest(BaseModel):  # (vLLM's fields; llama.cpp's content and add_special also taken)
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: Text | None = None
+    content: Text | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 def message_text(content) -> str:
@@ -350,6 +370,27 @@ class Engine:
         length = state["done"] and len(tokens) >= max_tokens and (not tokens or tokens[-1] not in eos)
         return {"ids": tokens, "finish_reason": "length" if length else "stop"}
 
+    def answer(self, ids: list[int], max_tokens: int, sampling: dict, stop, emit, cancelled, ignore_eos=False,
+               top: int | None = None, echo: bool = False) -> dict:
+        """In the worker: generate (as `generate`); with top (logprobs asked,
+        that many alternatives a token), also the entries of the tokens
+        returned (`entries`), after the prompt's with echo. The prompt is
+        scored before generating, which then reuses its keys and values, and
+        the tokens generated are scored from there: no second pass from the
+        start. With echo, an end token that finished the text keeps its entry
+        (its text is ""): scoring clients count one entry per token."""
+        head = prompt_entries(self.llm, ids, top) if echo and top is not None else []
+        pieces = []
+        if max_tokens == 0:  # (echo: score only)
+            out = {"ids": [], "finish_reason": "length"}
+        else:
+            out = self.generate(ids, max_tokens, sampling, stop, lambda piece: (pieces.append(piece), emit(piece)),
+                                cancelled, ignore_eos)
+        if top is not None and out["finish_reason"] != "cancelled":
+            ends = set(self.llm.tokenizer.eos_ids) if echo and not ignore_eos else set()
+            out["entries"] = head + generated_entries(self.llm, ids, out["ids"], top, "".join(pieces), ends)
+        return out
+
     def scored(self, ids: list[int], max_tokens: int, sampling: dict, eos: set, top: int, entries: list):
         """Tokens made one forward each through Generator.logits, each with its
         log-probability and the `top` most likely (appended to entries as
@@ -433,6 +474,36 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "brisk-lm"}]}
 
+    # The tokenizer as vLLM and llama.cpp serve it: clients that split a text
+    # into context and continuation (lm-eval's remote tokenizer) count our tokens.
+    @app.get("/tokenizer_info", responses={401: ERRORS[401]})
+    async def tokenizer_info():
+        tok = llm.require_tokenizer()
+        text = lambda i: None if i is None else tok.token_text(i)  # noqa: E731
+        return {"tokenizer_class": "brisk-lm", "bos_token": text(tok.bos_id),
+                "eos_token": text(tok.eos_ids[0] if tok.eos_ids else None), "pad_token": None,
+                "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
+                "model_max_length": llm.generator.max_seq_length}
+
+    @app.post("/tokenize", responses={k: ERRORS[k] for k in (400, 401, 404)})
+    async def tokenize(body: TokenizeRequest):
+        check_model(body)
+        text = body.prompt if body.prompt is not None else body.content
+        if text is None:
+            raise APIError(400, "prompt: give the text to tokenize", param="prompt")
+        special = next((v for v in (body.add_special_tokens, body.add_special) if v is not None), True)
+        ids = await asyncio.to_thread(llm.require_tokenizer().encode, text, None if special else False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": llm.generator.max_seq_length}
+
+    @app.post("/detokenize", responses={k: ERRORS[k] for k in (400, 401, 404)})
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body)
+        vocab = llm.model.args.vocab_size
+        if any(not 0 <= i < vocab for i in body.tokens):
+            raise APIError(400, f"tokens: token ids must be in 0..{vocab - 1}", param="tokens")
+        text = await asyncio.to_thread(llm.require_tokenizer().decode, body.tokens)
+        return {"prompt": text, "content": text}  # (vLLM's key and llama.cpp's)
+
     def check_model(body: Sampling):
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"model {body.model!r} is not served here (this server serves {model_name!r})",
@@ -447,6 +518,12 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
     def checked(ids: list[int], max_tokens: int):
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
+        if max_tokens == 0:  # (scored only: the last token is predicted, never run)
+            if len(ids) > llm.generator.max_seq_length + 1:
+                raise APIError(400, f"a prompt of {len(ids)} tokens to score exceeds the KV cache of "
+                               f"{llm.generator.max_seq_length} tokens (and the one it predicts)", param="prompt",
+                               code="context_length_exceeded")
+            return
         try:
             llm.check(ids, max_tokens)
         except BriskError as e:
@@ -471,8 +548,10 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             encoded.append((p if isinstance(p, str) else tok.decode(ids), ids))
         return encoded
 
-    async def generate_all(request: Request, jobs, body, max_tokens: int) -> list[tuple[str, dict]]:
-        """(text, result) of each job, in turn, cancelled when the client leaves (non-streaming)."""
+    async def generate_all(request: Request, jobs, body, max_tokens: int, top: int | None = None,
+                           echo: bool = False) -> list[tuple[str, dict]]:
+        """(text, result) of each job, in turn, cancelled when the client leaves
+        (non-streaming); with top, each result's logprobs entries (Engine.answer)."""
         engine.admit()
         cancel = threading.Event()
         watcher = asyncio.create_task(watch_disconnect(request, cancel))
@@ -480,8 +559,8 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             results = []
             for text, ids, i in jobs:
                 pieces = []
-                out = await engine.run(engine.generate, ids, max_tokens, sampling_of(body, i), body.stop,
-                                       pieces.append, cancel.is_set, body.ignore_eos)
+                out = await engine.run(engine.answer, ids, max_tokens, sampling_of(body, i), body.stop,
+                                       pieces.append, cancel.is_set, body.ignore_eos, top, echo)
                 if engine.closing.is_set():
                     raise SHUTTING_DOWN
                 if cancel.is_set():  # (no one to answer)
@@ -510,7 +589,10 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             raise APIError(400, "the prompt is empty", param="prompt")
         bounded(len(prompts), body.n)
         encoded = await asyncio.to_thread(encode_prompts, prompts)
-        body.max_tokens = body.max_tokens or 16  # (null: OpenAI's default)
+        body.max_tokens = 16 if body.max_tokens is None else body.max_tokens  # (null: OpenAI's default)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: 0 generates nothing; it needs echo (to score the prompt)",
+                           param="max_tokens")
         for _, ids in encoded:
             checked(ids, body.max_tokens)
         if body.stream and body.echo:
@@ -522,12 +604,12 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             return stream(request, jobs, body, meta, chat=False)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for index, ((text, ids, i), (completion, out)) in enumerate(zip(jobs, await generate_all(
-                request, jobs, body, body.max_tokens))):
+                request, jobs, body, body.max_tokens, body.logprobs, body.echo))):
             choice = {"text": (text if body.echo else "") + completion, "index": index,
                       "logprobs": None, "finish_reason": out["finish_reason"]}
             if body.logprobs is not None:
-                choice["logprobs"] = await engine.run(completion_logprobs, llm, ids, out["ids"],
-                                                      body.logprobs, body.echo, completion)
+                choice["logprobs"] = logprobs_object(llm.tokenizer, out["entries"], chat=False,
+                                                     top=bool(body.logprobs))
             choices.append(choice)
             usage["prompt_tokens"] += len(ids) if i == 0 else 0
             usage["completion_tokens"] += len(out["ids"])
@@ -550,12 +632,12 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         if body.stream:
             return stream(request, jobs, body, {**meta, "object": "chat.completion.chunk"}, chat=True)
         choices, completion_tokens = [], 0
-        for index, (reply, out) in enumerate(await generate_all(request, jobs, body, max_tokens)):
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        for index, (reply, out) in enumerate(await generate_all(request, jobs, body, max_tokens, top)):
             choice = {"index": index, "message": {"role": "assistant", "content": reply},
                       "logprobs": None, "finish_reason": out["finish_reason"]}
             if body.logprobs:
-                choice["logprobs"] = await engine.run(chat_logprobs, llm, ids, out["ids"], body.top_logprobs or 0,
-                                                      reply)
+                choice["logprobs"] = logprobs_object(llm.tokenizer, out["entries"], chat=True)
             choices.append(choice)
             completion_tokens += len(out["ids"])
         usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
@@ -648,7 +730,8 @@ async def watch_disconnect(request: Request, cancel: threading.Event, every_s: f
         await asyncio.sleep(every_s)
 
 
-KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+KNOWN_PATHS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenizer_info",
+               "/tokenize", "/detokenize"}
 
 
 def authorized(headers: dict, key: str) -> bool:
@@ -700,24 +783,24 @@ def logprobs_object(tok, entries, chat: bool, offset: int = 0, top: bool = True)
                                                      for _, _, alts in entries] if top else None}
 
 
-def completion_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, echo: bool,
-                        completion: str) -> dict:
-    """The completions `logprobs` object for the returned tokens (and the prompt's with echo)."""
-    tok = llm.tokenizer
-    texts = token_texts(tok, ids, completion)
-    chosen, alternatives = llm.score(prompt_ids + ids[:len(texts)], top)
-    first = 0 if echo else len(prompt_ids)
-    texts = (token_texts(tok, prompt_ids) if echo else []) + texts
-    entries = zip(texts, ([None] + chosen)[first:], ([None] + alternatives)[first:])
-    return logprobs_object(tok, list(entries), chat=False, top=bool(top))
+def prompt_entries(llm: LLM, prompt_ids: list[int], top: int) -> list[tuple]:
+    """The prompt's entries, as echo returns them: the first token has no log-probability."""
+    chosen, alternatives = llm.score(prompt_ids, top)
+    return list(zip(token_texts(llm.tokenizer, prompt_ids), [None] + chosen, [None] + alternatives))
 
 
-def chat_logprobs(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, reply: str) -> dict:
-    tok = llm.tokenizer
-    texts = token_texts(tok, ids, reply)
-    chosen, alternatives = llm.score(prompt_ids + ids[:len(texts)], top)
-    start = len(prompt_ids) - 1
-    return logprobs_object(tok, list(zip(texts, chosen[start:], alternatives[start:])), chat=True)
+def generated_entries(llm: LLM, prompt_ids: list[int], ids: list[int], top: int, text: str,
+                      ends=frozenset()) -> list[tuple]:
+    """The entries of the generated tokens that the returned text holds, and
+    of an end token in `ends` just past it; scored after the prompt, reusing
+    its keys and values."""
+    texts = token_texts(llm.tokenizer, ids, text)
+    if len(texts) < len(ids) and ids[len(texts)] in ends and len(texts) == len(ids) - 1:
+        texts.append("")
+    if not texts:
+        return []
+    chosen, alternatives = llm.score(prompt_ids + ids[:len(texts)], top, start=len(prompt_ids))
+    return list(zip(texts, chosen, alternatives))
 
 
 def guarded_h11():

@@ -540,3 +540,127 @@ def test_logprobs_while_streaming_equal_the_plain_ones(client, model_id):
     text = "".join(c.choices[0].text for c in chunks)
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert text == plain.choices[0].text and "".join(tokens) == text == "".join(plain.choices[0].logprobs.tokens)
+
+
+# --- lm-eval's API models against the server, on a tiny random model -----------
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """(folder, url) of a server over a tiny random Llama whose end token is
+    often the likeliest (so a scoring request's one generated token is
+    often the end), fp32."""
+    pytest.importorskip("lm_eval")
+    from test_harness import tiny_hf_folder
+    folder = tiny_hf_folder(tmp_path_factory.mktemp("tiny"), eos_scale=4.0)
+    proc, url = start(folder, "--model_name", "tiny", base=("--dtype", "float32", "--max_seq_length", "256"))
+    yield folder, url
+    stop(proc)
+
+
+def test_lm_evals_local_completions_scores_as_its_hf_model(tiny_server):
+    """lm-eval's local-completions with its default settings (token-list
+    prompts, echo and one generated token a request, the tokenizer from the
+    server) against lm-eval's hf model on the same weights: every
+    log-likelihood within 1e-4, the same greedy flags and generations."""
+    pytest.importorskip("tenacity")  # (lm-eval's api extra)
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from test_harness import TEXT, hf_model, instances
+    folder, url = tiny_server
+    api = LocalCompletionsAPI(base_url=url + "/v1/completions", model="tiny")
+    assert api.tokenizer_backend == "remote" and api.tokenized_requests
+    hf = hf_model(folder, 256)
+    context = "Question: What is the capital of France? Answer:"
+    requests = instances("loglikelihood", [(context, c) for c in (" Paris", " Eight", " the water and")] +
+                         [("", "The river"), ("How many legs does a spider have?", " Eight."),
+                          ("The river rises in the hills north of the town and", " runs")])  # (the end follows)
+    got, want = api.loglikelihood(requests, disable_tqdm=True), hf.loglikelihood(requests, disable_tqdm=True)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) <= 1e-4, (got, want)
+    documents = instances("loglikelihood_rolling", [(TEXT,), ("Paris",)])
+    got, want = (m.loglikelihood_rolling(documents, disable_tqdm=True) for m in (api, hf))
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4, (got, want)
+    asks = instances("generate_until", [(context, {"until": ["."], "max_gen_toks": 10, "do_sample": False}),
+                                        ("The river", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False})])
+    assert api.generate_until(asks, disable_tqdm=True) == hf.generate_until(asks, disable_tqdm=True)
+
+
+def test_echo_logprobs_score_the_prompt_once_and_max_tokens_0_scores_only(tiny_server):
+    """echo + logprobs: one pass of the model from position 0 (the prompt,
+    scored; generation and the generated tokens' scores start after it);
+    max_tokens 0 with echo returns the prompt's log-probabilities alone."""
+    import asyncio
+    import brisklm
+    from starlette.requests import Request
+    from brisklm.server import CompletionRequest, make_app
+    llm = brisklm.load(tiny_server[0], device="cpu", dtype="float32", max_seq_length=64, quiet=True)
+    starts = []
+    llm.model.register_forward_pre_hook(lambda m, args: starts.append(int(args[1][0])))
+    endpoint = next(r.endpoint for r in make_app(llm, "tiny").routes if getattr(r, "path", "") == "/v1/completions")
+
+    async def never():  # (a client that stays)
+        await asyncio.Event().wait()
+
+    def complete(**fields):
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, never)
+        return asyncio.run(endpoint(CompletionRequest(**fields), request))["choices"][0]
+
+    prompt = "The river rises in the hills north of the town"
+    choice = complete(prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0, ignore_eos=True)
+    assert starts.count(0) == 1 and len(choice["logprobs"]["tokens"]) == len(llm.tokenizer.encode(prompt)) + 3
+    scored = complete(prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    n = len(llm.tokenizer.encode(prompt))
+    assert scored["text"] == prompt and scored["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"][:n]
+
+
+def test_tokenizer_endpoints_serve_the_models_tokenizer(tiny_server):
+    """/tokenize, /detokenize and /tokenizer_info as vLLM serves them (and
+    llama.cpp's field names): the ids the completions endpoint reads."""
+    from transformers import AutoTokenizer
+    folder, url = tiny_server
+    hf = AutoTokenizer.from_pretrained(folder)
+    text = "The river rises<|endoftext|> near the town"
+    status, body = post(url + "/tokenize", {"prompt": text, "add_special_tokens": False}, key=None)
+    assert status == 200 and body["tokens"] == hf(text, add_special_tokens=False).input_ids
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 256
+    assert post(url + "/tokenize", {"content": text}, key=None)[1]["tokens"] == body["tokens"]
+    status, back = post(url + "/detokenize", {"tokens": body["tokens"]}, key=None)
+    assert status == 200 and back["prompt"] == back["content"] == text
+    with urllib.request.urlopen(url + "/tokenizer_info") as r:
+        info = json.loads(r.read())
+    assert (info["eos_token"], info["bos_token"]) == (hf.eos_token, hf.bos_token)
+    for path, bad, field in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/detokenize", {"tokens": [10 ** 6]}, "tokens"), ("/detokenize", {}, "tokens"),
+                             ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "model")):
+        status, body = post(url + path, bad, key=None)
+        assert status in (400, 404) and body["error"]["param"] == field, (path, bad, body)
+    assert post(url + "/v1/completions", {"prompt": "Hi", "max_tokens": 0}, key=None)[1]["error"]["param"] == \
+        "max_tokens"
+
+
+def readme_command(name: str) -> str:
+    """The line of README.md that starts with `name` (continued lines joined)."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    lines = text.replace("\\\n", " ").splitlines()
+    return next(line.strip() for line in lines if line.strip().startswith(name))
+
+
+def test_the_readme_lm_eval_command_runs_against_the_server(tiny_server, tmp_path):
+    """README's `lm_eval --model local-completions` line, as written but for
+    the server's address, model name and task, evaluates a local task."""
+    pytest.importorskip("tenacity")
+    folder, url = tiny_server
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(
+        {"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in (
+        ("What is the capital of France?", [" Paris", " Berlin"], 0), ("How many legs?", [" six", " eight"], 1))))
+    (tmp_path / "my_task.yaml").write_text(
+        f"task: my_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'mc.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+        "doc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    command = readme_command("lm_eval --model local-completions")
+    command = command.replace("http://127.0.0.1:8000", url).replace("model=smollm2", "model=tiny")
+    command = command.replace("--include_path tasks", f"--include_path {tmp_path}")
+    args = command.split()[1:] + ["--output_path", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-m", "lm_eval", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "my_task" in done.stdout and "acc" in done.stdout
