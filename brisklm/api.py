@@ -527,6 +527,23 @@ def gptq_errors(where: str, mode: str):
         raise BriskError(f"{where}: {e}") from None
 
 
+def gptq_transform(path: str | None, groupsize: int, quiet: bool = True):
+    """GPTQ as a reader transform for the checkpoint at `path` (None: the
+    bundled model), calibrated on a fixed text through its own tokenizer,
+    with a line for each layer quantized (minutes for a large model)."""
+    from .checkpoints import read_tokenizer
+    from .gptq import GPTQStream, calibration_ids
+    from .quantize import check_mode
+    try:
+        check_mode("int4", groupsize)
+    except ValueError as e:
+        raise BriskError(str(e)) from None
+    t0 = time.perf_counter()
+    return GPTQStream(groupsize, lambda: calibration_ids(read_tokenizer(path)),
+                      progress=lambda done, total: log(f"  GPTQ: layer {done} of {total} quantized "
+                                                       f"({time.perf_counter() - t0:.0f} s)", quiet))
+
+
 def tp_world() -> tuple[int, int, object]:
     """(rank, world size, group) of the default process group, (0, 1, None) without one."""
     import torch.distributed as dist
@@ -609,7 +626,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         if unknown:
             raise BriskError(f"unknown compile option {unknown[0]!r} (torch._inductor.list_options() names them)")
     transform = None
-    from .quantize import check_mode, quantizer, untied
+    from .quantize import quantizer, untied
     if quantize in RTN_MODES:  # quantized tensor by tensor as it loads: the dense model never exists whole
         try:
             transform = quantizer(quantize, groupsize)
@@ -618,13 +635,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     elif quantize == "int4-gptq":  # layer by layer as it loads, calibrated on a fixed text
         if preset is not None:
             raise BriskError(f"{preset}: int4-gptq needs a tokenizer for its calibration text (a preset has none)")
-        from .checkpoints import read_tokenizer
-        from .gptq import GPTQStream, calibration_ids
-        try:
-            check_mode("int4", groupsize)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
-        transform = GPTQStream(groupsize, lambda: calibration_ids(read_tokenizer(path)))
+        transform = gptq_transform(path, groupsize, quiet)
     quantized_as_read = transform is not None
     rank, world, group = tp_world() if tensor_parallel is not False else (0, 1, None)
     if world > 1:

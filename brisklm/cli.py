@@ -119,8 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("convert", help="write a checkpoint as a native brisk-lm folder")
     v.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
-    v.add_argument("--output", required=True)
-    v.add_argument("--dtype", default="bfloat16")
+    v.add_argument("--output", required=True, help="the folder to write (refused if it exists, unless --force)")
+    v.add_argument("--dtype", default="bfloat16", help="dtype of the dense tensors (default: bfloat16)")
+    v.add_argument("--dequantize", action="store_true",
+                   help="write every matrix dense in --dtype (by default a GGUF file's quantized blocks are kept)")
+    v.add_argument("--force", action="store_true", help="overwrite an existing --output")
 
     b = sub.add_parser("bench", help="decode speed against the device's measured ceilings")
     _model_flags(b)
@@ -144,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
     q.add_argument("--mode", choices=FILE_MODES, required=True)
     q.add_argument("--groupsize", type=int, default=128, help="int4 group size")
-    q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it")
+    q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it "
+                                                  "(refused if it exists, unless --force)")
+    q.add_argument("--force", action="store_true", help="overwrite an existing --output")
     q.add_argument("--dtype", default="bfloat16", help="dtype of the tensors left dense")
 
     e = sub.add_parser("eval", help="lm-evaluation-harness tasks, or perplexity (and KL against the "
@@ -305,14 +310,28 @@ def cmd_chat(args):
          history_file=os.path.join(cache_dir(), "chat_history"))
 
 
+def fresh_output(path: str, force: bool):
+    """Refuse to write over an existing file or non-empty folder, unless force."""
+    if os.path.exists(path) and not force and not (os.path.isdir(path) and not os.listdir(path)):
+        raise BriskError(f"{path}: already exists; --force writes over it")
+
+
+def dense_transform(model_args, name, t):
+    """Every tensor as read, dense (a quantized folder's entries are widened before a transform)."""
+    return {name: t}
+
+
 def cmd_convert(args):
     from .api import parse_dtype, step
     from .checkpoints import load
     from .checkpoints.native import save_native
     source = args.checkpoint_path or "the bundled default model"
-    with step(f"Reading {source}", "Read"):
-        # A GGUF file's int4 and int8 blocks stay as they are: no dequantized copy, twice the size.
-        ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype), keep_gguf_blocks="all")
+    fresh_output(args.output, args.force)
+    with step(f"Reading {source}" + (", dequantizing its blocks" if args.dequantize else ""), "Read"):
+        # By default a GGUF file's int4 and int8 blocks stay as they are: no dequantized copy, twice the size.
+        ckpt = load(args.checkpoint_path, device="cpu", dtype=parse_dtype(args.dtype),
+                    keep_gguf_blocks=False if args.dequantize else "all",
+                    transform=dense_transform if args.dequantize else None)
     kept = sum(k.endswith(("_int4", "_int8")) for k in ckpt.state_dict)
     with step(f"Writing {args.output}" + (f" ({kept} matrices kept quantized)" if kept else ""), "Written"):
         save_native(args.output, ckpt.args, ckpt.state_dict, ckpt.tokenizer,
@@ -333,27 +352,24 @@ def _size(path: str) -> int:
 
 
 def cmd_quantize(args):
-    from .api import check_kept_blocks, gptq_errors, progress_bar, log, parse_dtype, step
+    from .api import check_kept_blocks, gptq_errors, gptq_transform, log, parse_dtype, progress_bar, step
     from .checkpoints import load, resolve
     from .checkpoints.native import NativeWriter, save_native
     from .quantize import quantizer, untied
-    _, source = resolve(args.checkpoint_path)
+    kind, source = resolve(args.checkpoint_path)
     output = args.output or os.path.splitext(source.rstrip("/"))[0] + f"-{args.mode}"
+    fresh_output(output, args.force)
     scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
               (args.groupsize if args.mode.startswith("int4") else None)}
     sink = None
     if args.mode in RTN_MODES or args.mode == "int4-gptq":  # quantized and written as it is read
-        try:
-            if args.mode == "int4-gptq":  # (layer by layer: one layer dense at a time)
-                from .checkpoints import read_tokenizer
-                from .gptq import GPTQStream, calibration_ids
-                from .quantize import check_mode
-                check_mode("int4", args.groupsize)
-                quantize = GPTQStream(args.groupsize, lambda: calibration_ids(read_tokenizer(source)))
-            else:
+        if args.mode == "int4-gptq":  # (layer by layer: one layer dense at a time)
+            quantize = gptq_transform(source, args.groupsize, quiet=False)
+        else:
+            try:
                 quantize = quantizer(args.mode, args.groupsize)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
+            except ValueError as e:
+                raise BriskError(str(e)) from None
         writer, written = NativeWriter(output), {}
 
         def sink(model_args, name, t):  # (the reader keeps what this returns: nothing)
@@ -378,10 +394,28 @@ def cmd_quantize(args):
             save_native(output, ckpt.args, ckpt.state_dict, ckpt.tokenizer, quantization=scheme)
     source_bytes, written_bytes = _size(ckpt.path), _size(output)
     if written_bytes > source_bytes:
-        log(f"Note: {output} ({written_bytes / 1e6:.0f} MB) is larger than its source ({source_bytes / 1e6:.0f} MB), "
-            f"which stores fewer bits a weight than {args.mode} keeps; re-quantizing adds no accuracy "
-            f"to the source's codes (--mode gguf keeps a GGUF file's blocks as they are)")
+        log(f"Note: {output} ({written_bytes / 1e6:.0f} MB) is larger than its source ({source_bytes / 1e6:.0f} MB): "
+            + "; ".join(growth_reasons(kind, source, output, args.mode, ckpt.args.tie_word_embeddings)))
     print(output)
+
+
+def growth_reasons(kind: str, source: str, output: str, mode: str, tied: bool) -> list[str]:
+    """Why a quantized folder came out larger than its source, from what it holds."""
+    from .checkpoints.native import read_metadata, tensor_shapes
+    written = tensor_shapes(output)
+    def held(prefix):  # "28 MB as int8"
+        keys = [k for k in written if k.startswith(prefix)]
+        codes = next((k.rsplit("_", 1)[1] for k in keys if k.endswith(("_int4", "_int8", "_fp8"))), "dense")
+        return f"{sum(written[k][1] for k in keys) / 1e6:.0f} MB" + ("" if codes == "dense" else f" as {codes}")
+    reasons = []
+    if tied and any(k.startswith("output.weight") for k in written):
+        reasons.append(f"the embedding, which the source ties to the output layer, is written twice: for the "
+                       f"lookup ({held('tok_embeddings.')}) and for the output layer ({held('output.weight')})")
+    if kind == "gguf" or (kind == "native" and read_metadata(source).get("quantization")):
+        reasons.append(f"the source's matrices are quantized already (re-quantizing them to {mode} adds no "
+                       f"accuracy to their codes"
+                       + ("; --mode gguf keeps a GGUF file's blocks as they are)" if kind == "gguf" else ")"))
+    return reasons or ["its dense tensors are stored wider than the source's"]
 
 
 def cmd_eval(args):

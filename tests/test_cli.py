@@ -189,3 +189,29 @@ def test_flags_take_either_spelling_and_version_answers():
     assert build_parser().parse_args(["serve", "--api-key", "k"]).api_key == "k"
     done = subprocess.run([sys.executable, "-m", "brisklm", "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == f"brisk-lm {__version__}"
+
+
+@pytest.mark.slow
+def test_convert_and_quantize_do_what_they_say(smollm2_gguf, tmp_path):
+    """convert --dequantize writes a dense folder; an existing output is refused
+    without --force; an int4 folder quantized to int8 holds int8 (not its int4
+    codes), with a note on its growth that names the true cause; the weights
+    file is as readable as the rest of the folder."""
+    dense, int4, int8 = tmp_path / "dense", tmp_path / "int4", tmp_path / "int8"
+    done = brisk("convert", "--checkpoint_path", smollm2_gguf, "--output", str(dense), "--dequantize")
+    assert done.returncode == 0, done.stderr
+    held = load(str(dense)).state_dict
+    assert not any(k.endswith(("_int4", "_int8", "_scale")) for k in held) and "tok_embeddings.weight" in held
+    modes = {f.name: f.stat().st_mode & 0o777 for f in dense.iterdir()}
+    assert modes["model.safetensors"] == modes["brisk.json"], modes
+    again = brisk("convert", "--checkpoint_path", smollm2_gguf, "--output", str(dense))
+    assert again.returncode == 2 and again.stderr.strip() == f"error: {dense}: already exists; --force writes over it"
+    assert brisk("quantize", "--checkpoint_path", str(dense), "--mode", "int4", "--output", str(int4)).returncode == 0
+    done = brisk("quantize", "--checkpoint_path", str(int4), "--mode", "int8", "--output", str(int8))
+    assert done.returncode == 0, done.stderr
+    keys = load(str(int8)).state_dict.keys()
+    assert not any(k.endswith("_int4") for k in keys) and sum(k.endswith("_int8") for k in keys) >= 120
+    assert "the source's matrices are quantized already (re-quantizing them to int8" in done.stderr
+    assert "GGUF" not in done.stderr.split("Note:")[1]  # (a native source: no GGUF advice)
+    done = brisk("quantize", "--checkpoint_path", str(int4), "--mode", "int8", "--output", str(int8), "--force")
+    assert done.returncode == 0, done.stderr

@@ -274,7 +274,7 @@ def test_gptq_leaves_the_callers_weights_unwritten():
 
 
 @pytest.mark.slow
-def test_gptq_at_load_goes_layer_by_layer_and_equals_gptq_of_the_whole_model(tmp_path, smollm2_gguf):
+def test_gptq_at_load_goes_layer_by_layer_and_equals_gptq_of_the_whole_model(tmp_path, smollm2_gguf, capsys):
     """int4-gptq as the reader reads (GPTQStream): at most one layer's dense
     tensors are held at a time, the entries equal those of GPTQ over the whole
     state dict bit for bit, and brisklm.load / brisk quantize take that path."""
@@ -298,7 +298,11 @@ def test_gptq_at_load_goes_layer_by_layer_and_equals_gptq_of_the_whole_model(tmp
     assert max(held) < 10 and held[-1] == 0  # (a layer has 9 tensors; none left over)
     assert streamed.state_dict.keys() == whole.keys()
     assert all(torch.equal(streamed.state_dict[k], t) for k, t in whole.items())
-    llm = brisklm.load(str(tmp_path / "dense"), device="cpu", dtype="float32", quantize="int4-gptq", groupsize=32)
+    capsys.readouterr()
+    llm = brisklm.load(str(tmp_path / "dense"), device="cpu", dtype="float32", quantize="int4-gptq", groupsize=32,
+                       quiet=False)
+    said = capsys.readouterr().err
+    assert all(f"GPTQ: layer {i} of 3 quantized" in said for i in (1, 2, 3)), said  # (minutes on a large model)
     reference = build_model(whole_args, whole)
     ids = torch.tensor([[5, 17, 300, 9, 2]])
     for m in (llm.model, reference.prepare("cpu")):

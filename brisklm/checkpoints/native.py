@@ -57,8 +57,12 @@ class NativeWriter:
 
     def _flush(self, name: str):
         from safetensors.torch import save_file
+        path = os.path.join(self.folder, name)
         try:
-            save_file(self.tensors, os.path.join(self.folder, name))
+            save_file(self.tensors, path)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(path, 0o666 & ~umask)  # (safetensors writes its file private; the rest is not)
         except OSError as e:  # a full disk, a read-only folder
             raise BriskError(f"{self.folder}: cannot write the checkpoint ({e.strerror or e})") from None
         self.weight_map.update({key: name for key in self.tensors})
@@ -106,16 +110,12 @@ def read_metadata(folder: str) -> dict:
     return info
 
 
-def stored_bytes(folder: str, dtype) -> int:
-    """Bytes the folder's weights take once loaded in `dtype`, from the
-    safetensors headers alone: dense tensors in `dtype`, quantized entries
-    (integers and their scales) as stored."""
+def tensor_shapes(folder: str) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{key: (shape, bytes stored)} of every tensor the folder's weight files
+    hold, from the safetensors headers alone."""
     import struct
-
-    import torch
     info = read_metadata(folder)
-    dense = set(canonical_names(ModelArgs(**info["model_args"])))
-    total = 0
+    out = {}
     for name in sorted(set((info.get("weight_map") or {}).values()) or {"model.safetensors"}):
         path = os.path.join(folder, name)
         try:
@@ -123,15 +123,21 @@ def stored_bytes(folder: str, dtype) -> int:
                 header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
         except (OSError, ValueError, struct.error) as e:
             raise BriskError(f"{path}: corrupt, truncated or missing weights file ({e})") from None
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            start, end = entry["data_offsets"]
-            numel = 1
-            for n in entry["shape"]:
-                numel *= n
-            total += numel * torch.empty((), dtype=dtype).element_size() if key in dense else end - start
-    return total
+        out.update({key: (tuple(e["shape"]), e["data_offsets"][1] - e["data_offsets"][0])
+                    for key, e in header.items() if key != "__metadata__"})
+    return out
+
+
+def stored_bytes(folder: str, dtype) -> int:
+    """Bytes the folder's weights take once loaded in `dtype`: dense tensors
+    in `dtype`, quantized entries (integers and their scales) as stored."""
+    import math
+
+    import torch
+    dense = set(canonical_names(ModelArgs(**read_metadata(folder)["model_args"])))
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) * size if key in dense else stored
+               for key, (shape, stored) in tensor_shapes(folder).items())
 
 
 def load_native(folder: str, device, dtype, progress=None, transform=None, plan=None) -> Checkpoint:
@@ -163,10 +169,14 @@ def load_native(folder: str, device, dtype, progress=None, transform=None, plan=
                     quantized = [k for k in keys if k.startswith(name + "_")]
                     if not quantized:
                         raise BriskError(f"{weights}: missing tensor {name!r}")
-                    # Quantized entries keep their own dtypes (integers, fp32 scales).
-                    state.update({k: get(k) for k in quantized})
-                    continue
-                t = get(name)
+                    if transform is None:  # quantized entries keep their own dtypes (integers, fp32 scales)
+                        state.update({k: get(k) for k in quantized})
+                        continue
+                    # quantized again (another mode): from the weights the codes stand for
+                    from ..quantize import dequantize
+                    t = dequantize({k[len(name) + 1:]: get(k) for k in quantized})[..., :shape[-1]]  # (padding)
+                else:
+                    t = get(name)
                 if tuple(t.shape) != shape:
                     raise BriskError(f"{weights}: tensor {name!r} has shape {tuple(t.shape)}, "
                                      f"expected {shape}")
