@@ -3,7 +3,7 @@
 Behaves as ollama's `run` prompt does: readline's line editing and history,
 Ctrl-C stops a reply and returns to the prompt (the partial reply is dropped
 from the conversation, the question stays), slash commands answer instead of
-reaching the model, and `\"\"\"` opens a message of several lines.
+reaching the model, and triple quotes open a message of several lines.
 
 Terminal input goes through GNU readline, which reads keys one by one, so a
 paste is not cut at the terminal's 4,095-character line limit, and a
@@ -30,7 +30,8 @@ HELP = f"""Commands:
   /save FILE      write the conversation to FILE as JSON messages
   /exit           leave (also /quit, /bye, Ctrl-D)
 Begin a message with {BLOCK} to write several lines (or to start it with /); end it with {BLOCK}.
-Ctrl-C stops a reply (left out of the conversation); Ctrl-C at an empty prompt twice leaves."""
+Ctrl-C stops a reply (left out of the conversation); Ctrl-C at an empty prompt twice leaves.
+Lines edit as in a shell; the up arrow and Ctrl-R recall earlier ones (kept in the cache folder's chat_history)."""
 COMMANDS = "/help, /reset, /system TEXT, /save FILE, /exit"
 HISTORY_LINES = 1000
 
@@ -80,7 +81,7 @@ class Reader:
                 got = self._message()
             except KeyboardInterrupt:
                 typed = self.readline.get_line_buffer() if self.readline else ""
-                print(file=sys.stdout, flush=True)
+                print(flush=True)
                 if typed:  # Ctrl-C drops what was typed, as in a shell
                     warned = False
                     continue
@@ -152,8 +153,8 @@ class Stop:
         return self
 
     def __exit__(self, *exc):
-        if self.enabled:
-            signal.signal(signal.SIGINT, self.previous)
+        if self.enabled:  # (None: a handler not set from Python, i.e. the default)
+            signal.signal(signal.SIGINT, self.previous if self.previous is not None else signal.SIG_DFL)
 
     def _handle(self, signum, frame):
         if self.asked:
@@ -164,9 +165,11 @@ class Stop:
 class Session:
     """One conversation with an LLM: its messages and the settings of each reply."""
 
-    def __init__(self, llm, system: str | None, max_new_tokens: int, stop=None, seed=None, sampling=None):
+    def __init__(self, llm, system: str | None, max_new_tokens: int, stop=None, seed=None, sampling=None,
+                 stoppable: bool = True):
         self.llm, self.system = llm, system
         self.max_new_tokens, self.stop, self.seed, self.sampling = max_new_tokens, stop, seed, sampling or {}
+        self.stoppable = stoppable  # (whether Ctrl-C stops a reply rather than the program)
         self.messages = self.start()
         self.told_of_dropping = False
 
@@ -214,7 +217,7 @@ class Session:
             return
         log(f"Saved {len(self.messages)} messages to {path}.")
 
-    def turn(self, text: str, stoppable: bool = True):
+    def turn(self, text: str):
         """Ask, stream the reply to stdout, and keep both in the conversation."""
         llm, capacity = self.llm, self.llm.generator.max_seq_length
         try:  # the oldest turns make room for this one, and a whole reply, in the KV cache
@@ -232,7 +235,7 @@ class Session:
             log(f"(The conversation outgrew the KV cache of {capacity} tokens: its oldest turns are left "
                 f"out from now on" + (", the system message kept" if self.system else "") + ".)")
             self.told_of_dropping = True
-        reply, interrupt = [], Stop(enabled=stoppable)
+        reply, interrupt = [], Stop(enabled=self.stoppable)
         with interrupt:
             try:
                 pieces = llm.stream_ids_as_text(ids, min(self.max_new_tokens, capacity - len(ids)), self.stop,
@@ -267,10 +270,9 @@ def chat(llm, system: str | None = None, max_new_tokens: int = 512, stop=None, s
          history_file: str | None = None):
     """Talk with llm until the user leaves."""
     import torch.distributed as dist
-    session = Session(llm, system, max_new_tokens, stop, seed, sampling)
-    reader = Reader(history_file) if first_rank() else None
     # Under torchrun a terminal's Ctrl-C reaches every rank and the launcher, which ends them all.
-    stoppable = not dist.is_initialized()
+    session = Session(llm, system, max_new_tokens, stop, seed, sampling, stoppable=not dist.is_initialized())
+    reader = Reader(history_file) if first_rank() else None
     log(f"Chat with the model. /help lists the commands; Ctrl-C stops a reply, Ctrl-D or /exit leaves; "
         f"{BLOCK} begins a message of several lines.")
     while True:
@@ -283,4 +285,4 @@ def chat(llm, system: str | None = None, max_new_tokens: int = 512, stop=None, s
             if not session.command(text):
                 return
         elif text.strip():
-            session.turn(text, stoppable)
+            session.turn(text)
