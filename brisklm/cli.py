@@ -159,9 +159,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated lm-eval task names or task .yaml files (needs the eval extra); "
                         "without it, perplexity")
     e.add_argument("--num_fewshot", type=int, default=None)
-    e.add_argument("--limit", type=_positive_int, default=None, help="at most this many examples a task")
+    e.add_argument("--limit", type=_limit, default=None,
+                   help="at most this many examples a task, or a fraction of each (0.1)")
     e.add_argument("--include_path", default=None, help="a folder of task .yaml files of your own")
     e.add_argument("--output", default=None, help="write the harness's results here as JSON")
+    e.add_argument("--output_path", default=None,
+                   help="as lm_eval's: a folder (or .json file) for the results and, with --log_samples, "
+                        "each task's samples as JSONL")
+    e.add_argument("--log_samples", action="store_true",
+                   help="keep each example's requests, answers and scores (in --output or --output_path)")
+    e.add_argument("--apply_chat_template", action="store_true", help="prompts through the model's chat template")
+    e.add_argument("--system_instruction", default=None, help="a system message before each prompt")
+    e.add_argument("--gen_kwargs", default=None,
+                   help="generation settings over the tasks' own: k=v,... or JSON (until, max_gen_toks, "
+                        "do_sample, temperature, top_p, top_k)")
+    e.add_argument("--seed", type=_seeds, default=None,
+                   help="python, numpy, torch and few-shot seeds: one for all, or four comma-separated")
+    e.add_argument("--batch_size", type=_batch_size, default="1",
+                   help="accepted for lm_eval's command lines; brisk runs batch 1 (its design point)")
     e.add_argument("--perplexity", action="store_true", help="(the default without --tasks)")
     e.add_argument("--text", default=None, help="a UTF-8 text file (default: pydoc_data.topics)")
     e.add_argument("--max_tokens", type=_positive_int, default=8192)
@@ -447,6 +462,26 @@ def cmd_eval(args):
         print(f"perplexity {perplexity(llm.model, ids, args.window):.4f}")
 
 
+def _limit(text: str) -> int | float:
+    value = float(text)
+    if not (0 < value < 1 or (value >= 1 and value.is_integer())):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 or a fraction in (0, 1), got {text}")
+    return value if value < 1 else int(value)
+
+
+def _batch_size(text: str) -> str:
+    if not (text.startswith("auto") or (text.isdigit() and int(text) >= 1)):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 or auto, got {text}")
+    return text
+
+
+def _seeds(text: str) -> tuple:
+    values = [None if v.strip().lower() == "none" else int(v) for v in text.split(",")]
+    if len(values) not in (1, 4):
+        raise argparse.ArgumentTypeError(f"give one seed or four (python,numpy,torch,fewshot), got {text}")
+    return tuple(values * 4 if len(values) == 1 else values)
+
+
 def eval_tasks(args):
     try:
         from . import harness
@@ -454,18 +489,35 @@ def eval_tasks(args):
         raise BriskError(f"brisk eval --tasks needs lm-evaluation-harness ({e.name} is missing): "
                          f"pip install 'brisklm[eval]'") from None
     import json
+    from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import make_table
     from .api import log, progress_bar
+    if args.log_samples and not (args.output or args.output_path):
+        raise BriskError("--log_samples needs --output or --output_path (where the samples go)")
+    gen_kwargs = harness.parse_gen_kwargs(args.gen_kwargs)
     tasks = [t for t in args.tasks.split(",") if t]
     harness.task_names_and_paths(tasks, args.include_path)  # (a bad task file fails before loading)
     llm = _load(args)
-    log(f"Evaluating {', '.join(tasks)} (lm-evaluation-harness, batch 1)...")
-    results = harness.evaluate(llm, tasks, args.num_fewshot, args.limit, args.include_path, progress=progress_bar)
+    model_args = {"model": str(llm.name), "dtype": args.dtype, "quantize": args.quantize,
+                  "groupsize": args.groupsize, "device": args.device, "max_seq_length": args.max_seq_length,
+                  "kv_int8": args.kv_int8, "preset": args.preset}
+    batch = "" if args.batch_size == "1" else f"; --batch_size {args.batch_size} asked, brisk runs batch 1"
+    log(f"Evaluating {', '.join(tasks)} (lm-evaluation-harness, batch 1{batch})...")
+    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+    results = harness.evaluate(llm, tasks, args.num_fewshot, args.limit, args.include_path, progress=progress_bar,
+                               log_samples=args.log_samples, apply_chat_template=args.apply_chat_template,
+                               system_instruction=args.system_instruction, gen_kwargs=gen_kwargs,
+                               seeds=args.seed, model_args=model_args, tracker=tracker)
+    samples = results.pop("samples", None)
     print(make_table(results))
     if args.output:
+        kept = {k: results[k] for k in ("results", "versions", "n-shot", "config", "configs") if k in results}
         with open(args.output, "w", encoding="utf-8") as f:
-            json.dump({k: results[k] for k in ("results", "versions", "n-shot", "config") if k in results},
-                      f, indent=2, default=str)
+            json.dump({**kept, **({"samples": samples} if args.log_samples else {})}, f, indent=2, default=str)
+    if tracker is not None:
+        tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
+        for task in results["configs"] if args.log_samples else ():
+            tracker.save_results_samples(task_name=task, samples=samples[task])
 
 
 def cmd_bench(args):

@@ -36,10 +36,15 @@ TEXT = ("The river rises in the hills north of the town and runs south through f
         "Once upon a time there was a small fox who lived near the water and ate berries every day. ")
 
 
-def tiny_hf_folder(folder, context: int = 256) -> str:
+CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+def tiny_hf_folder(folder, context: int = 256, eos_scale: float = 1.0) -> str:
     """A tiny random Llama saved by transformers, with a byte-level BPE trained
     here on TEXT (a BOS token that is not added, as SmolLM2's), loadable by
-    AutoTokenizer as lm-eval's hf model loads it."""
+    AutoTokenizer as lm-eval's hf model loads it; eos_scale > 1 makes the end
+    token the likeliest one after many texts."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     bpe = Tokenizer(models.BPE())
@@ -47,13 +52,17 @@ def tiny_hf_folder(folder, context: int = 256) -> str:
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|bos|>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
-                                         bos_token="<|bos|>").save_pretrained(folder)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|bos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=96,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=context, bos_token_id=1, eos_token_id=0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight[0] *= eos_scale
+    model.save_pretrained(folder)
     return str(folder)
 
 
@@ -238,3 +247,84 @@ def test_a_task_file_without_a_name_is_one_line_naming_it(tmp_path):
     done = subprocess.run([sys.executable, "-m", "brisklm", "eval", "--tasks", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "bad.yaml" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_chat_templated_requests_are_rendered_as_lm_evals_hf_renders_them(tiny):
+    """--apply_chat_template: the model's template, a reply opened by the task
+    (no generation prompt) continued where its text ends, as hf does."""
+    lm = BriskLM(brisklm.load(tiny, device="cpu", dtype="float32", max_seq_length=64, quiet=True))
+    hf = hf_model(tiny, 64)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
+    assert lm.apply_chat_template(history) == hf.apply_chat_template(history)
+    opened = history + [{"role": "assistant", "content": "The answer is"}]
+    assert lm.apply_chat_template(opened, False) == hf.apply_chat_template(opened, False)
+    assert lm.chat_template(True) == CHAT_TEMPLATE and lm.chat_template(False) is None
+    requests = instances("loglikelihood", [(lm.apply_chat_template(history), " Paris")])
+    got, want = lm.loglikelihood(requests), hf.loglikelihood(requests, disable_tqdm=True)
+    assert abs(got[0][0] - want[0][0]) <= 1e-4 and lm.pair(*requests[0].args)[0][0] == lm.tok.bos_id
+
+
+def brisk_eval(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "brisklm", "eval", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_brisk_eval_logs_samples_and_names_the_model_in_its_config(tiny, tmp_path):
+    """--log_samples and --output_path write lm-eval's files (each example
+    scored); the config names checkpoint, dtype and quantization; a fractional
+    --limit; --seed, --batch_size and --gen_kwargs accepted; data_files
+    relative to the task YAML's folder, whatever the working directory."""
+    (tmp_path / "tasks" / "data").mkdir(parents=True)
+    with open(tmp_path / "tasks" / "data" / "mc.jsonl", "w") as f:
+        for i in range(10):
+            f.write(json.dumps({"question": f"Is {i} even?", "choices": [" yes", " no"], "answer": i % 2}) + "\n")
+    (tmp_path / "tasks" / "mc.yaml").write_text(MC_TASK.format(data="data/mc.jsonl").replace("brisk_tiny_mc",
+                                                                                            "brisk_relative_mc"))
+    (tmp_path / "elsewhere").mkdir()
+    done = brisk_eval("--checkpoint_path", tiny, "--dtype", "float32", "--quantize", "none",
+                      "--tasks", str(tmp_path / "tasks" / "mc.yaml"), "--limit", "0.3", "--log_samples",
+                      "--output_path", str(tmp_path / "out"), "--seed", "5", "--batch_size", "8",
+                      "--gen_kwargs", "temperature=0,max_gen_toks=4", cwd=tmp_path / "elsewhere")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "brisk runs batch 1" in done.stderr
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    (samples_file,) = (tmp_path / "out").rglob("samples_brisk_relative_mc_*.jsonl")
+    config = json.loads(results_file.read_text())["config"]
+    assert config["model"] == "brisk" and config["model_args"]["model"] == tiny
+    assert (config["model_args"]["dtype"], config["model_args"]["quantize"]) == ("float32", "none")
+    assert config["model_dtype"] == "float32" and config["weight_formats"] and config["batch_size"] == 1
+    assert config["limit"] == 0.3 and config["random_seed"] == 5 and config["gen_kwargs"]["max_gen_toks"] == 4
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == 3 and all(len(s["resps"]) == 2 for s in samples)
+    # each example's scores are the model's own
+    lm = BriskLM(brisklm.load(tiny, device="cpu", dtype="float32", quiet=True))
+    first = samples[0]
+    want = lm.loglikelihood([Request(*args.values()) for args in first["arguments"].values()])
+    assert max(abs(float(r[0][0]) - w) for r, (w, _) in zip(first["resps"], want)) <= 1e-4
+
+
+@pytest.mark.slow
+def test_a_registered_task_whose_data_cannot_be_fetched_is_one_error_line(tiny, tmp_path):
+    done = brisk_eval("--checkpoint_path", tiny, "--tasks", "arc_easy", "--limit", "1", cwd=tmp_path,
+                      env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: task arc_easy: cannot load its data") and "Hub" in last
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--limit", "0"], "--limit: must be a whole number >= 1 or a fraction in (0, 1), got 0"),
+    (["--limit", "1.5"], "--limit: must be a whole number >= 1 or a fraction in (0, 1), got 1.5"),
+    (["--seed", "1,2"], "--seed: give one seed or four"), (["--batch_size", "0"], "--batch-size: must be a whole number >= 1 or auto"),
+    (["--gen_kwargs", "temperature"], "'temperature' is not key=value"),
+    (["--gen_kwargs", "temprature=0"], "unknown key 'temprature'"), (["--gen_kwargs", "{bad"], "not a JSON object"),
+    (["--log_samples"], "--log_samples needs --output or --output_path")])
+def test_bad_eval_options_are_one_line_naming_them(flags, says, capsys):
+    from brisklm.cli import main
+    try:
+        code = main(["eval", "--tasks", "hellaswag", *flags])
+    except SystemExit as e:  # (argparse's own)
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and says in err[-1] and "Traceback" not in "\n".join(err), err
