@@ -69,6 +69,7 @@ class Reader:
                 return
             self.readline = readline
             readline.set_auto_history(False)  # (a multi-line block goes in as one entry)
+            readline.parse_and_bind("tab: tab-insert")  # (a tab is text here, not file-name completion)
             self.history_file = history_file
             self._load_history()
 
