@@ -80,15 +80,13 @@ class Terminal:
 
     def leave(self) -> int:
         self.type("\x04")
-        try:
-            return self.proc.wait(60)
-        finally:
-            os.close(self.master)
+        return self.proc.wait(60)
 
     def kill(self):
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        os.close(self.master)
 
 
 @pytest.fixture
@@ -207,6 +205,7 @@ def test_reset_confirms_and_starts_over(chat, tmp_path):
     term.expect("Started over: the conversation is cleared")
     term.prompt()
     assert saved(term, tmp_path / "talk.json") == [{"role": "system", "content": "Answer in one short sentence."}]
+    assert term.leave() == 0
 
 
 @pytest.mark.slow
@@ -237,3 +236,4 @@ def test_system_sets_the_system_message_and_keeps_the_turns(chat, tmp_path):
     messages = saved(term, tmp_path / "talk.json")
     assert messages[0] == {"role": "system", "content": "Answer in French."}
     assert [m["role"] for m in messages[1:]] == ["user", "assistant"]
+    assert term.leave() == 0
