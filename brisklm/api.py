@@ -196,7 +196,7 @@ def plan_memory(args, device: torch.device, dtype, quantize: str, groupsize: int
     weights = weight_bytes(args, dtype, quantize, groupsize) if weights is None else weights
     per_position = kv_bytes_per_position(args, dtype, kv_int8)
     cache = per_position * max_seq_length if max_seq_length else 0
-    gb = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"  # noqa: E731
+    gb = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"  # noqa: E731
     what = {"none": f"{str(dtype).replace('torch.', '')} weights", "auto": "weights",
             "gguf": "weights"}.get(quantize, f"{quantize} weights") + (" (as stored)" if given else "")
     if free is None:
@@ -654,7 +654,7 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         shapes = lambda args: args  # noqa: E731
     t0 = time.perf_counter()
     as_loaded = (f", quantizing to {quantize} tensor by tensor" if quantize in RTN_MODES else
-                 f", quantizing to int4 (group {groupsize}) with GPTQ layer by layer" if transform else "")
+                 f", quantizing to int4 (group {groupsize}) with GPTQ layer by layer" if quantize == "int4-gptq" else "")
     as_loaded += f", rank {rank}'s share of {world}" if world > 1 else ""
     if preset is not None:
         from .presets import preset as get_preset

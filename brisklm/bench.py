@@ -92,6 +92,9 @@ def _run(llm, ids, new_tokens):
     return llm.stats
 
 
+SPREAD_WARNING = 1.5  # fastest / slowest decode sample above which the figure is flagged
+
+
 def decode_figures(llm, prompt_len, new_tokens, samples, ceiling, dtype):
     ids = _prompt(prompt_len, llm.model.args.vocab_size)
     _run(llm, ids, new_tokens)  # warm-up (and compile)
@@ -99,6 +102,11 @@ def decode_figures(llm, prompt_len, new_tokens, samples, ceiling, dtype):
     live = prompt_len + new_tokens / 2  # mean cache length read during decode
     per_token = llm.stats.weight_bytes + live * kv_bytes_per_position(llm.model.args, dtype, llm.model.kv_int8)
     rate = statistics.median(rates)
+    if max(rates) > SPREAD_WARNING * min(rates):
+        from .api import log
+        log(f"Warning: the decode samples vary {max(rates) / max(min(rates), 1e-9):.1f}x ({min(rates):.1f} to "
+            f"{max(rates):.1f} tokens/s): the device is busy or throttling; the median is reported, "
+            f"more --samples steady it")
     return {"prompt_tokens": prompt_len, "new_tokens": new_tokens, "tokens_per_s": rate,
             "min": min(rates), "max": max(rates), "bytes_per_token": per_token,
             "fraction_of_ceiling": per_token * rate / (ceiling * 1e9)}

@@ -13,6 +13,8 @@ import sys
 from .errors import BriskError
 from .modes import FILE_MODES, GROUP_SIZES, LOAD_MODES, RTN_MODES
 
+DEFAULT_PROMPT = "Hello, my name is"
+
 
 def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
@@ -69,20 +71,37 @@ def _speculate_flags(p: argparse.ArgumentParser):
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_new_tokens=200):
-    p.add_argument("--max_new_tokens", type=_positive_int, default=max_new_tokens)
+    p.add_argument("--max_new_tokens", type=_positive_int, default=max_new_tokens,
+                   help="tokens to generate at most (a reply ends sooner at the model's end token)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top_k", type=int, default=200)
-    p.add_argument("--top_p", type=float, default=None)
+    p.add_argument("--top_k", type=int, default=200, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top_p", type=float, default=None, help="sample within the top tokens of this total probability")
     p.add_argument("--min_p", type=float, default=0.05,
                    help="drop tokens under min_p x the top one's probability (0 = off; llama.cpp's default)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampling, for reproducible output (sample i of --num_samples: seed + i)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, where it has one its text does not already name."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, True, argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
 
 
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes print one line, as other user errors do, not the whole
     usage block; every --flag_name is also --flag-name, the other common
     spelling (the help shows the first)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def add_argument(self, *names, **kwargs):
         dashed = [n.replace("_", "-") for n in names if n.startswith("--") and "_" in n]
@@ -104,8 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     _tp_flag(g)
     _speculate_flags(g)
     _sampling_flags(g)
-    g.add_argument("--prompt", default="Hello, my name is")
-    g.add_argument("--num_samples", type=_positive_int, default=1)
+    g.add_argument("--prompt", default=None,
+                   help=f"the text to continue; - reads it from stdin, as does a pipe or file on stdin "
+                        f"(default: {DEFAULT_PROMPT!r})")
+    g.add_argument("--prompt_file", default=None, help="read the prompt from this UTF-8 file")
+    g.add_argument("--num_samples", type=_positive_int, default=1, help="samples of the same prompt, one after another")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (each sample's text and figures) instead of the text as it comes")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of the last sample here")
     g.add_argument("--quiet", action="store_true", help="print only the generated text")
@@ -118,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
 
     v = sub.add_parser("convert", help="write a checkpoint as a native brisk-lm folder")
-    v.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
+    v.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
+                   help="HF folder, GGUF file or native folder (default: bundled SmolLM2-135M-Instruct)")
     v.add_argument("--output", required=True, help="the folder to write (refused if it exists, unless --force)")
     v.add_argument("--dtype", default="bfloat16", help="dtype of the dense tensors (default: bfloat16)")
     v.add_argument("--dequantize", action="store_true",
@@ -128,9 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="decode speed against the device's measured ceilings")
     _model_flags(b)
     _tp_flag(b)
-    b.add_argument("--prompt_tokens", type=int, default=5)
-    b.add_argument("--new_tokens", type=int, default=200)
-    b.add_argument("--samples", type=_positive_int, default=5)
+    b.add_argument("--prompt_tokens", type=_positive_int, default=5, help="prompt length of the decode figure")
+    b.add_argument("--new_tokens", "--max_new_tokens", dest="new_tokens", type=_positive_int, default=200,
+                   help="tokens decoded a sample")
+    b.add_argument("--samples", type=_positive_int, default=5, help="decode runs; the figure is their median")
     b.add_argument("--prefill", type=_int_list, default=None,
                    help="prompt lengths for prefill figures, comma-separated "
                         "(default 1024,8192 on GPUs, 128 on CPUs)")
@@ -139,13 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 8192,32768 on GPUs, 1024 on CPUs; capped at the model's context)")
     b.add_argument("--startup", action="store_true", help="also time cold and warm compile")
     _speculate_flags(b)  # (bench: also greedy tokens/s with and without it, and the acceptance)
-    b.add_argument("--peer", choices=["hf"], default=None)
-    b.add_argument("--json", default=None)
-    b.add_argument("--markdown", default=None)
+    b.add_argument("--peer", choices=["hf"], default=None,
+                   help="also time Hugging Face transformers on the same weights (static cache, compiled)")
+    b.add_argument("--json", default=None, help="write every figure to this file as JSON")
+    b.add_argument("--markdown", default=None, help="write the table to this file as Markdown")
 
     q = sub.add_parser("quantize", help="write a weight-only quantized native checkpoint")
-    q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None)
-    q.add_argument("--mode", choices=FILE_MODES, required=True)
+    q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
+                   help="HF folder, GGUF file or native folder (default: bundled SmolLM2-135M-Instruct)")
+    q.add_argument("--mode", choices=FILE_MODES, required=True,
+                   help="int8, q8_0, int4, fp8 (round to nearest), int4-gptq (calibrated), gguf (a GGUF "
+                        "file's blocks kept as they are)")
     q.add_argument("--groupsize", type=int, default=128, help="int4 group size")
     q.add_argument("--output", default=None, help="default: <checkpoint>-<mode> beside it "
                                                   "(refused if it exists, unless --force)")
@@ -158,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", default=None,
                    help="comma-separated lm-eval task names or task .yaml files (needs the eval extra); "
                         "without it, perplexity")
-    e.add_argument("--num_fewshot", type=int, default=None)
+    e.add_argument("--num_fewshot", type=int, default=None, help="examples before each question (default: the task's)")
     e.add_argument("--limit", type=_limit, default=None,
                    help="at most this many examples a task, or a fraction of each (0.1)")
     e.add_argument("--include_path", default=None, help="a folder of task .yaml files of your own")
@@ -179,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for lm_eval's command lines; brisk runs batch 1 (its design point)")
     e.add_argument("--perplexity", action="store_true", help="(the default without --tasks)")
     e.add_argument("--text", default=None, help="a UTF-8 text file (default: pydoc_data.topics)")
-    e.add_argument("--max_tokens", type=_positive_int, default=8192)
-    e.add_argument("--window", type=_positive_int, default=512)
+    e.add_argument("--max_tokens", type=_positive_int, default=8192, help="perplexity: tokens of the text scored")
+    e.add_argument("--window", type=_positive_int, default=512,
+                   help="perplexity: tokens a window (each scored with the window before it as context)")
     e.add_argument("--reference", action="store_true",
                    help="also run the unquantized model and report mean KL divergence against it")
 
@@ -188,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(s)
     _speculate_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api_key", "--api-key", dest="api_key", default=None,
                    help="require Authorization: Bearer KEY on every endpoint but /health (or BRISK_API_KEY)")
     s.add_argument("--queue", type=int, default=16, help="requests that may wait while one generates; then 429")
@@ -196,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("download", help="fetch a Hugging Face repo (or, with no id, the default model)")
     d.add_argument("repo_id", nargs="?", default=None)
-    d.add_argument("--revision", default=None)
+    d.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
     return parser
 
 
@@ -260,57 +291,116 @@ def _peak_memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB -> GB
 
 
+def read_prompt(args) -> str:
+    """--prompt, else --prompt_file, else a pipe or file on stdin (--prompt -
+    waits for stdin), else the default prompt."""
+    if args.prompt_file is not None:
+        if args.prompt is not None:
+            raise BriskError("give either --prompt or --prompt_file, not both")
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BriskError(f"--prompt_file {args.prompt_file}: cannot read it as UTF-8 text "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+    if args.prompt == "-" or (args.prompt is None and stdin_has_input()):
+        text = sys.stdin.read()
+        text = text[:-1] if text.endswith("\n") else text  # (echo's newline ends the input, not the prompt)
+        if text or args.prompt == "-":
+            return text
+    return DEFAULT_PROMPT if args.prompt is None else args.prompt
+
+
+def stdin_has_input() -> bool:
+    """Whether stdin is a pipe or file with something to read now (not a
+    terminal, not /dev/null, not a pipe that nothing writes to yet)."""
+    import select
+    import stat
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+        if stat.S_ISREG(mode):
+            return os.fstat(sys.stdin.fileno()).st_size > 0
+        return stat.S_ISFIFO(mode) and bool(select.select([sys.stdin], [], [], 0)[0])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def cmd_generate(args):
+    import json
+
     import torch
     from .api import log
     _check_sampling(args)
-    llm = _load(args, quiet=args.quiet)
+    prompt_text = None if args.preset else read_prompt(args)  # (before loading: a bad file fails fast)
+    quiet = args.quiet or args.json
+    llm = _load(args, quiet=quiet)
+    seed = lambda i: None if args.seed is None else args.seed + i  # noqa: E731  (each sample its own)
     if args.preset:  # random weights and no tokenizer: token ids in, token ids out
         prompt_ids = [1 + i for i in range(5)]
-        run = lambda: llm.stream_ids(prompt_ids, args.max_new_tokens, stop_ids=(), seed=args.seed,  # noqa: E731
-                                     **_sampling(args))
+        run = lambda i: llm.stream_ids(prompt_ids, args.max_new_tokens, stop_ids=(), seed=seed(i),  # noqa: E731
+                                       **_sampling(args))
         show = lambda piece: print(piece, end=" ", flush=True)  # noqa: E731
     else:
         tok = llm.require_tokenizer()
-        prompt = args.prompt
-        if args.chat:
-            prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.apply_chat_template([{"role": "user", "content": prompt_text}]) if args.chat else prompt_text
         prompt_ids = tok.encode(prompt, add_bos=False if args.chat else None)
-        run = lambda: llm.stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
-                                              seed=args.seed, **_sampling(args))
+        run = lambda i: llm.stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
+                                                seed=seed(i), **_sampling(args))
         show = lambda piece: print(piece, end="", flush=True)  # noqa: E731
+    if args.json:
+        show = lambda piece: None  # noqa: E731
     llm.check(prompt_ids, args.max_new_tokens)  # before any compile
-    llm.warm_up(prompt_ids, quiet=args.quiet)
+    llm.warm_up(prompt_ids, quiet=quiet)
     device = llm.generator.device
-    rates = []
+    rates, samples = [], []
     for i in range(args.num_samples):
         llm.generator.reset()
         profiling = args.profile and i == args.num_samples - 1
         prof = (torch.profiler.profile(record_shapes=False) if profiling
                 else contextlib.nullcontext())
         with prof:
-            pieces = run()  # checks the request before the prompt is echoed
-            if not args.preset and not args.quiet:
-                print(args.prompt if not args.chat else "", end="", flush=True)
+            pieces = run(i)  # checks the request before the prompt is echoed
+            if not args.preset and not quiet:
+                print(prompt_text if not args.chat else "", end="", flush=True)
+            text = []
             for piece in pieces:
+                text.append(piece)
                 show(piece)
-        if args.preset or not args.quiet:
+        if (args.preset or not args.quiet) and not args.json:
             print()
         s = llm.stats
         rates.append(s.decode_tokens_per_s)
+        samples.append({"text": " ".join(map(str, text)) if args.preset else "".join(text),
+                        "prompt_tokens": s.prompt_tokens, "new_tokens": s.new_tokens,
+                        "time_to_first_token_s": s.prefill_s,
+                        "decode_tokens_per_s": s.decode_tokens_per_s if s.new_tokens > 2 else None,
+                        "tokens_per_target_step": s.tokens_per_step if s.target_steps else None,
+                        "target_steps": s.target_steps or None, "drafted_steps": s.drafted_steps or None,
+                        "seed": seed(i)})
+        decode = (f"decode {s.decode_tokens_per_s:.2f} tokens/s, bandwidth achieved {s.bandwidth_gb_s:.2f} GB/s"
+                  if s.new_tokens > 2 else "too few tokens to time the decode")
         log(f"Sample {i + 1}: {s.new_tokens} tokens, time to first token {s.prefill_s * 1e3:.1f} ms "
-            f"({s.prompt_tokens} prompt tokens), decode {s.decode_tokens_per_s:.2f} tokens/s, "
-            f"bandwidth achieved {s.bandwidth_gb_s:.2f} GB/s"
-            + (f", {s.tokens_per_step:.2f} tokens a target step (--speculate {args.speculate})"
-               if s.target_steps else ""), args.quiet)
+            f"({s.prompt_tokens} prompt tokens), {decode}"
+            + (f", {s.tokens_per_step:.2f} tokens a target step (--speculate {args.speculate}: drafts checked in "
+               f"{s.drafted_steps} of {s.target_steps} steps"
+               + (", plain decoding where they did not pay)" if s.drafted_steps < s.target_steps else ")")
+               if s.target_steps else ""), quiet)
         if profiling and int(os.environ.get("RANK", "0")) == 0:  # (tensor-parallel: the first rank's)
             prof.export_chrome_trace(args.profile)
-            log(f"Profile written to {args.profile}", args.quiet)
-    mean = sum(rates) / len(rates)
-    log(f"Average decode: {mean:.2f} tokens/s over {len(rates)} sample(s); model weights "
-        f"{llm.stats.weight_bytes / 1e9:.3f} GB read per token; bandwidth achieved "
-        f"{llm.stats.weight_bytes * mean / 1e9:.2f} GB/s; peak memory "
-        f"{_peak_memory_gb(device):.2f} GB", args.quiet)
+            log(f"Profile written to {args.profile}", quiet)
+    timed = [r for r, sample in zip(rates, samples) if sample["decode_tokens_per_s"] is not None]
+    mean = sum(timed) / len(timed) if timed else 0.0
+    weights_gb = llm.stats.weight_bytes / 1e9
+    if args.json:
+        print(json.dumps({"model": llm.name, "device": str(device), "samples": samples,
+                          "mean_decode_tokens_per_s": mean or None, "weights_gb_read_per_token": weights_gb,
+                          "peak_memory_gb": _peak_memory_gb(device)}, ensure_ascii=False))
+        return
+    log(f"Average decode: {mean:.2f} tokens/s over {len(timed)} sample(s); model weights "
+        f"{weights_gb:.3f} GB read per token; bandwidth achieved "
+        f"{weights_gb * mean:.2f} GB/s; peak memory "
+        f"{_peak_memory_gb(device):.2f} GB" if timed else
+        f"Peak memory {_peak_memory_gb(device):.2f} GB", quiet)
 
 
 def cmd_chat(args):

@@ -52,6 +52,7 @@ class GenerationStats:
     reused_tokens: int = 0  # prompt tokens whose KV came from the cache
     weight_bytes: int = 0
     target_steps: int = 0  # speculative decoding: verify forwards after the first token
+    drafted_steps: int = 0  # ... of which checked drafts (the rest: plain steps, where drafts did not pay)
 
     @property
     def tokens_per_step(self) -> float:
@@ -143,6 +144,7 @@ class Generator:
                 seconds = self._agreed(time.perf_counter() - t_step)
                 policy.update(len(drafts), len(emitted) - 1 if drafts else 0, seconds, steps=steps)
             stats.target_steps += steps
+            stats.drafted_steps += bool(drafts)
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
             self.cached = history + emitted[:-1]  # (the last emitted token is not in the cache yet)
             for value in emitted:
@@ -180,11 +182,15 @@ class Generator:
             host = token.to("cpu", non_blocking=True)
             if ready is not None:
                 ready.record()
+            elif i == 0:  # (on a CPU the token is ready now, and the next step runs in the call below)
+                self.first_token_at = time.perf_counter()
             if i < steps:  # queue the next step before looking at this token
                 token = self.steps.decode(token, step_pos, settings, kv_len=pos + i + 1)
                 step_pos = step_pos + 1
             if ready is not None:
                 ready.synchronize()
+                if i == 0:
+                    self.first_token_at = time.perf_counter()
             yield int(host.item())
 
     @torch.no_grad()  # (as generation runs it: a compiled step guards on grad mode)
@@ -223,9 +229,9 @@ class Generator:
                                         draft_tokens, t0, adapt_drafts)
             return
         for i, value in enumerate(self._run(token, len(prompt_ids), max_new_tokens - 1, settings)):
-            if i == 0:
-                stats.prefill_s = time.perf_counter() - t0
-                t_decode = time.perf_counter()
+            if i == 0:  # (the time the first token was ready: the decode steps' time follows it)
+                stats.prefill_s = self.first_token_at - t0
+                t_decode = self.first_token_at
             stats.new_tokens = i + 1
             stats.decode_s = time.perf_counter() - t_decode
             if i + 1 < max_new_tokens:  # (its step is queued: its keys are in the cache)

@@ -295,13 +295,17 @@ class GroupedInt8Linear(WeightFormat):
             return
         if self.layout != "stored":  # back to (N, K) codes, (N, K/G) scales
             codes = self.groups.permute(2, 0, 1) if self.layout == "rows_last" else self.groups.transpose(0, 1)
-            self.weight, self.scale = codes.reshape(self.out_features, -1), self.group_scales.t().contiguous()
+            weight, scale = codes.reshape(self.out_features, -1), self.group_scales.t().contiguous()
             del self.groups, self.group_scales
-        if layout != "stored":
+            self.register_buffer("weight", weight)
+            self.register_buffer("scale", scale)
+        if layout != "stored":  # (buffers: what the model holds, and a decode step reads, is counted by them)
             groups = self.weight.view(self.out_features, -1, self.group).transpose(0, 1)  # (K/G, N, G)
-            self.groups = (groups.transpose(1, 2) if layout == "rows_last" else groups).contiguous()
-            self.group_scales = self.scale.t().to(self.scale_dtype).contiguous()  # (K/G, N)
+            groups = (groups.transpose(1, 2) if layout == "rows_last" else groups).contiguous()
+            group_scales = self.scale.t().to(self.scale_dtype).contiguous()  # (K/G, N)
             del self.weight, self.scale
+            self.register_buffer("groups", groups)
+            self.register_buffer("group_scales", group_scales)
         self.layout = layout
 
     def matmul(self, x):

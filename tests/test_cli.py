@@ -13,7 +13,8 @@ from brisklm.model import build_model
 
 def brisk(*args, env=None, input=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "brisklm", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, input=input, timeout=timeout)
+                          env={**os.environ, **(env or {})}, input=input, timeout=timeout,
+                          stdin=subprocess.DEVNULL if input is None else None)
 
 
 @pytest.mark.slow
@@ -215,3 +216,37 @@ def test_convert_and_quantize_do_what_they_say(smollm2_gguf, tmp_path):
     assert "GGUF" not in done.stderr.split("Note:")[1]  # (a native source: no GGUF advice)
     done = brisk("quantize", "--checkpoint_path", str(int4), "--mode", "int8", "--output", str(int8), "--force")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_generate_reads_its_prompt_from_stdin_or_a_file_and_prints_json(smollm2_gguf, tmp_path):
+    """A pipe on stdin is the prompt (not a hidden default); --prompt_file too;
+    --json prints one object; seeded samples differ from each other."""
+    import json
+    greedy = ("--checkpoint_path", smollm2_gguf, "--max_new_tokens", "4", "--temperature", "0", "--json")
+    piped = json.loads(brisk("generate", *greedy, input="The capital of France is\n").stdout)
+    assert piped["samples"][0]["prompt_tokens"] == 5 and "Paris" in piped["samples"][0]["text"]
+    (tmp_path / "prompt.txt").write_text("The capital of France is", encoding="utf-8")
+    from_file = json.loads(brisk("generate", *greedy, "--prompt_file", str(tmp_path / "prompt.txt")).stdout)
+    assert from_file["samples"][0]["text"] == piped["samples"][0]["text"]
+    done = brisk("generate", "--checkpoint_path", smollm2_gguf, "--max_new_tokens", "12", "--json",
+                 "--num_samples", "3", "--seed", "7", "--temperature", "1.0")
+    samples = json.loads(done.stdout)["samples"]
+    assert [s["seed"] for s in samples] == [7, 8, 9] and len({s["text"] for s in samples}) > 1
+    assert all(s["new_tokens"] > 2 and s["decode_tokens_per_s"] > 0 for s in samples if s["new_tokens"] > 2)
+    missing = brisk("generate", "--prompt_file", str(tmp_path / "nothing.txt"))
+    assert missing.returncode == 2 and "nothing.txt" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_help_shows_defaults_and_every_flag_says_what_it_does():
+    import argparse
+
+    from brisklm.cli import build_parser
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    silent = [f"{name} {a.option_strings[0]}" for name, sub in commands.items() for a in sub._actions
+              if a.option_strings and not a.help and not isinstance(a, argparse._HelpAction)]
+    assert silent == []
+    text = commands["generate"].format_help()
+    assert "(default: 0.8)" in text and "(default: 200)" in text
+    assert parser.parse_args(["bench", "--max-new-tokens", "7"]).new_tokens == 7  # (one name for new tokens)

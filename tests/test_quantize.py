@@ -365,3 +365,19 @@ def test_float32_on_a_cpu_dequantizes_the_gguf_blocks_unless_asked_to_keep_them(
     assert int4_layers(brisklm.load(smollm2_gguf, device="cpu", dtype="float32", warm_up=False)) == 0
     assert int4_layers(brisklm.load(smollm2_gguf, device="cpu", dtype="float32", quantize="gguf",
                                     warm_up=False)) == 4 * 30
+
+
+def test_bytes_read_per_token_count_q8_0_in_every_cpu_layout():
+    """q8_0's CPU layouts are buffers of the model: a decode step's bytes (and
+    the GB/s the CLI prints) count them, about int8's."""
+    from brisklm.generate import weight_bytes_per_token
+    args = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    dense = random_state_dict(args, torch.float32, std=0.1)
+    read = {}
+    for mode in ("int8", "q8_0"):
+        for compiled in (False, True):
+            qargs, state = quantize_state_dict(args, dense, mode, 32)
+            model = build_model(qargs, state).prepare(torch.device("cpu"), compiled=compiled)
+            read[mode, compiled] = weight_bytes_per_token(model)
+    assert all(0.9 < read["q8_0", c] / read["int8", c] < 1.3 for c in (False, True)), read
