@@ -2,7 +2,9 @@
 bundled SmolLM2 (fp32 on the CPU), driven by the official openai client and by
 raw HTTP: completions, chat, streaming, stop strings, logprobs with echo,
 usage, the OpenAI error format, the API key, the queue limit, clients that
-disconnect, and generated bodies that must never give a 5xx."""
+disconnect, and generated bodies that must never give a 5xx. On a tiny random
+model: lm-eval's local-completions and local-chat-completions against
+lm-eval's hf model on the same weights, and the tokenizer endpoints."""
 import concurrent.futures
 import http.client
 import json
@@ -551,7 +553,7 @@ def tiny_server(tmp_path_factory):
     often the end), fp32."""
     pytest.importorskip("lm_eval")
     from test_harness import tiny_hf_folder
-    folder = tiny_hf_folder(tmp_path_factory.mktemp("tiny"), eos_scale=4.0)
+    folder = tiny_hf_folder(tmp_path_factory.mktemp("tiny"), eos_scale=2.0)
     proc, url = start(folder, "--model_name", "tiny", base=("--dtype", "float32", "--max_seq_length", "256"))
     yield folder, url
     stop(proc)
@@ -572,7 +574,7 @@ def test_lm_evals_local_completions_scores_as_its_hf_model(tiny_server):
     context = "Question: What is the capital of France? Answer:"
     requests = instances("loglikelihood", [(context, c) for c in (" Paris", " Eight", " the water and")] +
                          [("", "The river"), ("How many legs does a spider have?", " Eight."),
-                          ("The river rises in the hills north of the town and", " runs")])  # (the end follows)
+                          (TEXT[:TEXT.index(" How")], " How")])  # (the end token follows)
     got, want = api.loglikelihood(requests, disable_tqdm=True), hf.loglikelihood(requests, disable_tqdm=True)
     assert [g for _, g in got] == [g for _, g in want]
     assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) <= 1e-4, (got, want)
@@ -582,6 +584,25 @@ def test_lm_evals_local_completions_scores_as_its_hf_model(tiny_server):
     asks = instances("generate_until", [(context, {"until": ["."], "max_gen_toks": 10, "do_sample": False}),
                                         ("The river", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False})])
     assert api.generate_until(asks, disable_tqdm=True) == hf.generate_until(asks, disable_tqdm=True)
+
+
+def test_lm_evals_local_chat_completions_generates_as_its_hf_model(tiny_server):
+    """local-chat-completions (messages sent, the server's chat template)
+    against hf with its chat template applied: the same greedy replies."""
+    pytest.importorskip("tenacity")
+    from lm_eval.models.openai_completions import LocalChatCompletion
+    from test_harness import hf_model, instances
+    folder, url = tiny_server
+    api, hf = LocalChatCompletion(base_url=url + "/v1/chat/completions", model="tiny"), hf_model(folder, 256)
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How many legs?"}],
+             [{"role": "user", "content": "The river rises"}]]
+    settings = {"until": ["."], "max_gen_toks": 12, "do_sample": False}
+    got = api.generate_until(instances("generate_until", [(api.apply_chat_template(c), dict(settings))
+                                                          for c in chats]), disable_tqdm=True)
+    want = hf.generate_until(instances("generate_until", [(hf.apply_chat_template(c), dict(settings))
+                                                          for c in chats]), disable_tqdm=True)
+    assert got == want and any(got)
 
 
 def test_echo_logprobs_score_the_prompt_once_and_max_tokens_0_scores_only(tiny_server):
