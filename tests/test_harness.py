@@ -316,7 +316,8 @@ def test_a_registered_task_whose_data_cannot_be_fetched_is_one_error_line(tiny, 
 @pytest.mark.parametrize("flags, says", [
     (["--limit", "0"], "--limit: must be a whole number >= 1 or a fraction in (0, 1), got 0"),
     (["--limit", "1.5"], "--limit: must be a whole number >= 1 or a fraction in (0, 1), got 1.5"),
-    (["--seed", "1,2"], "--seed: give one seed or four"), (["--batch_size", "0"], "--batch-size: must be a whole number >= 1 or auto"),
+    (["--seed", "1,2"], "--seed: give one seed or four"),
+    (["--batch_size", "0"], "--batch-size: must be a whole number >= 1 or auto"),
     (["--gen_kwargs", "temperature"], "'temperature' is not key=value"),
     (["--gen_kwargs", "temprature=0"], "unknown key 'temprature'"), (["--gen_kwargs", "{bad"], "not a JSON object"),
     (["--log_samples"], "--log_samples needs --output or --output_path")])
