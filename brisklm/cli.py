@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue", type=int, default=16, help="requests that may wait while one generates; then 429")
     s.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint's name)")
 
+    ls = sub.add_parser("list", help="the models the caches hold (brisk's and the Hugging Face hub's)")
+    ls.add_argument("--json", action="store_true", help="print them as a JSON list")
+
     d = sub.add_parser("download", help="fetch a Hugging Face repo (or, with no id, the default model)")
     d.add_argument("repo_id", nargs="?", default=None)
     d.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
@@ -450,6 +453,28 @@ def cmd_download(args):
     print(path)
 
 
+def cmd_list(args):
+    import json
+    from .checkpoints.hub import cache_dir, cached_models, hub_caches
+    rows = cached_models()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    if not rows:
+        print(f"No models cached (looked in {', '.join([cache_dir(), *hub_caches()])}). `brisk download` "
+              f"fetches the default model, `brisk download org/name` a Hugging Face repo.")
+        return
+    table = [("NAME", "FORMAT", "SIZE", "PATH")] + [
+        (r["name"], r["format"], _human_bytes(r["bytes"]), r["path"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+
+
+def _human_bytes(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+
+
 def _size(path: str) -> int:
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
@@ -639,7 +664,7 @@ def cmd_serve(args):
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,
-            "download": cmd_download, "bench": cmd_bench, "quantize": cmd_quantize,
+            "download": cmd_download, "list": cmd_list, "bench": cmd_bench, "quantize": cmd_quantize,
             "eval": cmd_eval, "serve": cmd_serve}
 
 

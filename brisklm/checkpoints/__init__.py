@@ -89,13 +89,18 @@ def read_args(path: str | None) -> ModelArgs:
 
 def resolve(path: str | None) -> tuple[str, str]:
     """(format, path) of a checkpoint: "native", "hf" (folders) or "gguf" (a
-    file, or a folder holding one); None is the bundled default model."""
+    file, or a folder holding one); None is the bundled default model, and a
+    Hugging Face repo id that is no path on disk is found in the hub caches
+    (hub.find_model)."""
     if path is None:
         from .hub import default_model_path
         path = default_model_path()
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
-        raise BriskError(f"{path}: no such file or folder")
+        from .hub import find_model
+        path = find_model(path) or path
+        if not os.path.exists(path):
+            raise BriskError(f"{path}: no such file or folder")
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "brisk.json")):
             return "native", path
