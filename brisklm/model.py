@@ -421,12 +421,17 @@ class MoEFeedForward(nn.Module):
     (renormalized over them with norm_topk_prob).
 
     Each expert is a FeedForward whose weights are in any format. Where the
-    host may read which experts were chosen (eager, on a CPU or in a GPU's
+    host may read which experts were chosen (eager: a CPU, a GPU's long
     prefill), tokens are grouped by expert and each chosen expert runs once
     (`by_expert`). Inside a compiled step or a CUDA graph, nothing may go to
     the host: `prepare` has stacked every expert's tensors into one tensor
     per name, and each token's chosen experts are indexed on the device
-    (`by_slot`), so a decode step reads only the chosen experts' weights."""
+    (`by_slot`), so a decode step reads only the chosen experts' weights;
+    where the tokens choose as many experts as there are, every expert runs
+    on every token, weighted 0 where not chosen (`by_every_expert`: each
+    expert's weights read once, as a short prefill must anyway)."""
+
+    DEVICE_ROWS = 64  # on CUDA, inputs of up to this many tokens never read the choice on the host
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -445,9 +450,22 @@ class MoEFeedForward(nn.Module):
     def forward(self, x):
         rows = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(rows)
-        on_device = torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-        y = (self.by_slot if on_device else self.by_expert)(rows, weights, chosen)
+        # (on CUDA a short input stays on the device even eager: the run before a graph's capture is alike)
+        on_device = torch.compiler.is_compiling() or (x.is_cuda and rows.shape[0] <= self.DEVICE_ROWS)
+        if not on_device:
+            y = self.by_expert(rows, weights, chosen)
+        elif rows.shape[0] * self.top_k < len(self.experts):
+            y = self.by_slot(rows, weights, chosen)
+        else:
+            y = self.by_every_expert(rows, weights, chosen)
         return y.to(x.dtype).reshape(x.shape)
+
+    def by_every_expert(self, x, weights, chosen):
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            share = (weights * (chosen == e)).sum(-1, keepdim=True)  # (M, 1): 0 for the tokens that did not choose e
+            y += expert(x).float() * share
+        return y
 
     def by_expert(self, x, weights, chosen):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

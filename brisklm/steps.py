@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from .model import Transformer, causal_block_mask, decode_block_mask, rows_block_mask
+from .model import MoEFeedForward, Transformer, causal_block_mask, decode_block_mask, rows_block_mask
 from .sampling import sample
 
 
@@ -153,15 +153,19 @@ def replayed(step):
 
 # Prompt lengths a graphed prefill pads to (longer prompts run in chunks of the last).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
+# An MoE model's graphs hold up to this many tokens: in a graph every expert runs on
+# every token (MoEFeedForward.by_every_expert); a longer prompt runs eager, grouped by expert.
+MOE_GRAPH_TOKENS = MoEFeedForward.DEVICE_ROWS
 
 
-def prefill_shape(start: int, n: int, max_seq_length: int, kernel_tokens: int = 0) -> tuple[int, int | None] | None:
+def prefill_shape(start: int, n: int, max_seq_length: int, kernel_tokens: int = 0,
+                  largest: int = PREFILL_BUCKETS[-1]) -> tuple[int, int | None] | None:
     """(padded prompt length, keys attended) of the CUDA graph that prefills n
-    tokens after `start` cached ones; None if no graph holds them. The keys
-    round up to a power of two, so one graph serves many conversation
-    lengths; None where the attention kernel reads the length itself (up to
-    kernel_tokens tokens)."""
-    bucket = 1 if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), None)
+    tokens after `start` cached ones; None if no graph holds them (none is
+    longer than `largest`). The keys round up to a power of two, so one
+    graph serves many conversation lengths; None where the attention kernel
+    reads the length itself (up to kernel_tokens tokens)."""
+    bucket = 1 if n == 1 else next((b for b in PREFILL_BUCKETS if n <= b <= largest), None)
     if bucket is None or start + bucket > max_seq_length:
         return None
     if bucket <= kernel_tokens:
@@ -169,12 +173,13 @@ def prefill_shape(start: int, n: int, max_seq_length: int, kernel_tokens: int = 
     return bucket, min(1 << (start + bucket - 1).bit_length(), max_seq_length)
 
 
-def prefill_shapes(max_seq_length: int, kernel_tokens: int = 0) -> list[tuple[int, int | None]]:
+def prefill_shapes(max_seq_length: int, kernel_tokens: int = 0,
+                   largest: int = PREFILL_BUCKETS[-1]) -> list[tuple[int, int | None]]:
     """Every shape prefill_shape can give for this cache: the graphs to capture up front."""
     shapes = set()
-    for bucket in (1, *PREFILL_BUCKETS):  # (the last key a start reaches: 2^p, for each power)
+    for bucket in (1, *(b for b in PREFILL_BUCKETS if b <= largest)):  # (the last key a start reaches: 2^p)
         starts = {0, *((1 << p) - bucket + 1 for p in range(max_seq_length.bit_length() + 1))}
-        shapes.update(prefill_shape(s, bucket, max_seq_length, kernel_tokens) for s in starts if s >= 0)
+        shapes.update(prefill_shape(s, bucket, max_seq_length, kernel_tokens, largest) for s in starts if s >= 0)
     shapes.discard(None)
     return sorted(shapes, key=lambda s: (s[0], s[1] or 0))
 
@@ -213,12 +218,13 @@ class Steps:
         self._decode = self.whole or decode_one_token
         if self.graphed:
             self._decode = replayed(functools.partial(decode_one_token, block=self.block))
-        moe = model.args.num_local_experts > 0  # (its prefill groups tokens by expert on the host)
+        self.moe = moe = model.args.num_local_experts > 0
+        self.largest_graph = MOE_GRAPH_TOKENS if moe else PREFILL_BUCKETS[-1]
         self._prefill = forward
         if compile_prefill and not moe:  # dynamic shapes, not graphed: a new length may compile again
             self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
-        self.graphed_prefill = self.graphed_forward if not moe and not compile_prefill else None
+        self.graphed_prefill = self.graphed_forward if not compile_prefill else None
         self.graphed_rows = replayed(functools.partial(forward, block=self.block)) if self.block else None
         self.sampler = replayed(sample) if graphs else sample
 
@@ -243,7 +249,7 @@ class Steps:
         values land past the given tokens, where each later step writes its own
         before any query reads them."""
         n = len(ids)
-        shape = graphed and prefill_shape(start, n, max_seq_length, self.kernel_tokens)
+        shape = graphed and prefill_shape(start, n, max_seq_length, self.kernel_tokens, self.largest_graph)
         padded, kv_len = shape if shape else (n, start + n)
         if isinstance(ids, torch.Tensor):  # one token on the device: nothing to pad
             new = ids.reshape(1, 1)
@@ -258,7 +264,7 @@ class Steps:
         chunk fusion.fuse_for_decode chose), so that no length runs a shape
         for the first time."""
         chunk = self.model.decode_kernels.get("prefill_chunk") or PREFILL_BUCKETS[-1]
-        while self.graphed_prefill is not None and len(ids) > chunk:
+        while self.graphed_prefill is not None and len(ids) > chunk and not self.moe:  # (MoE: eager, whole)
             self.prefill(ids[:chunk], start, None)
             ids, start = ids[chunk:], start + chunk
         new, pos, kv_len, graphed = self._padded(ids, start, self.max_seq_length, self.graphed_prefill)
@@ -304,7 +310,7 @@ class Steps:
             for _ in range(3):  # (compiled whole: a cudagraph tree records at its second run)
                 self.decode(token, pos, settings, kv_len=1)
         if self.graphed_prefill is not None:
-            for bucket, kv_len in prefill_shapes(self.max_seq_length, self.kernel_tokens):
+            for bucket, kv_len in prefill_shapes(self.max_seq_length, self.kernel_tokens, self.largest_graph):
                 first = (kv_len or bucket) - bucket
                 ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
                 self.graphed_prefill(self.model, ids, torch.arange(first, first + bucket, device=self.device),
