@@ -416,9 +416,50 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOT_FORMATS = (".png", ".svg")
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Decode tokens/s of each result (a weight format, say) as a bar inside
+    the ceiling its bytes read a token allow at the measured read bandwidth,
+    a peer's figure beside it where measured; PNG or SVG by path's extension."""
+    from matplotlib.figure import Figure  # (no pyplot: no display and no global figure state)
+    fig = Figure(figsize=(2.5 + 1.6 * len(results), 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    several_models = len({r["model"] for r in results}) > 1
+    for i, r in enumerate(results):
+        d, peer = r["decode"], r.get("peer_hf")
+        x = i - 0.2 if peer else i
+        ceiling = r["read_ceiling_gb_s"] * 1e9 / d["bytes_per_token"]
+        ax.bar(x, ceiling, 0.4, fill=False, linestyle="--", edgecolor="gray", label="read ceiling" if i == 0 else None)
+        ax.annotate(f"{ceiling:.0f}", (x, ceiling), ha="center", va="bottom", fontsize=8, color="gray")
+        ax.bar(x, d["tokens_per_s"], 0.4, color="tab:blue", label="brisk-lm" if i == 0 else None)
+        ax.annotate(f"{d['tokens_per_s']:.0f} ({d['fraction_of_ceiling']:.0%})", (x, d["tokens_per_s"]),
+                    ha="center", va="bottom", fontsize=8)
+        if peer:
+            ax.bar(i + 0.2, peer["tokens_per_s"], 0.4, color="tab:orange",
+                   label="transformers" if not any(p.get("peer_hf") for p in results[:i]) else None)
+            ax.annotate(f"{peer['tokens_per_s']:.0f}", (i + 0.2, peer["tokens_per_s"]), ha="center",
+                        va="bottom", fontsize=8)
+    ax.set_xticks(range(len(results)), [(r.get("quantize") or "none") + (f"\n{r['model']}" if several_models else "")
+                                        for r in results])
+    ax.set_xlabel("--quantize")
+    ax.set_ylabel("decode tokens/s (% of the read ceiling)")
+    first = results[0]
+    ax.set_title(f"{'' if several_models else first['model'] + ' '}on {first['device']} "
+                 f"(torch {first['torch']}, {first['date']})", fontsize=10)
+    ax.legend(fontsize=8)
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        raise BriskError(f"--plot {path}: cannot write it ({e.strerror or e})") from None
+
+
 def main(opts):
     result = run(opts)
     text = markdown(result)
+    if getattr(opts, "plot", None):
+        plot([result], opts.plot)
     if opts.json:
         with open(opts.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

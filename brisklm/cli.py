@@ -169,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time Hugging Face transformers on the same weights (static cache, compiled)")
     b.add_argument("--json", default=None, help="write every figure to this file as JSON")
     b.add_argument("--markdown", default=None, help="write the table to this file as Markdown")
+    b.add_argument("--plot", default=None,
+                   help="draw decode tokens/s against the read ceiling (and a peer's) to this .png or .svg "
+                        "(needs the plot extra)")
+    b.add_argument("--from", dest="from_json", nargs="+", default=None, metavar="JSON",
+                   help="with --plot: draw these --json results (one bar each: weight formats side by side) "
+                        "instead of running the benchmark")
 
     q = sub.add_parser("quantize", help="write a weight-only quantized native checkpoint")
     q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
@@ -636,10 +642,35 @@ def eval_tasks(args):
 
 
 def cmd_bench(args):
-    from .bench import main
+    from .bench import PLOT_FORMATS, main, plot
     if args.checkpoint_path and args.preset:
         raise BriskError("give either --checkpoint_path or --preset, not both")
+    if args.from_json and not args.plot:
+        raise BriskError("--from draws saved results: give --plot FILE too")
+    if args.plot:  # (checked before minutes of benchmark, not after)
+        if not args.plot.lower().endswith(PLOT_FORMATS):
+            raise BriskError(f"--plot {args.plot}: name a .png or .svg file")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BriskError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+    if args.from_json:
+        plot([_bench_result(path) for path in args.from_json], args.plot)
+        print(args.plot)
+        return
     main(args)
+
+
+def _bench_result(path: str) -> dict:
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        raise BriskError(f"--from {path}: cannot read it as JSON ({getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("decode"), dict):
+        raise BriskError(f"--from {path}: not a `brisk bench --json` result (no decode figures)")
+    return result
 
 
 def cmd_serve(args):

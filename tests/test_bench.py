@@ -92,3 +92,52 @@ def test_bench_speculates_with_a_draft_preset(tmp_path):
     assert done.returncode == 0, done.stderr
     sp = json.loads(out.read_text())["speculative"]
     assert sp["kind"] == "draft" and sp["same_tokens"] and sp["speculative"]["tokens_per_step"] > 1
+
+
+def bench_result(quantize, tokens_per_s, peer=None):
+    """The figures of a `brisk bench --json` result that --plot draws."""
+    r = {"model": "smollm2-135m", "device": "cpu", "torch": torch.__version__, "date": "2026-12-04",
+         "quantize": quantize, "read_ceiling_gb_s": 10.0,
+         "decode": {"tokens_per_s": tokens_per_s, "bytes_per_token": 1e8, "fraction_of_ceiling": tokens_per_s / 100}}
+    return {**r, "peer_hf": {"tokens_per_s": peer}} if peer else r
+
+
+def test_bench_plots_saved_results_side_by_side_as_png_or_svg(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from brisklm.cli import main
+    files = []
+    for i, r in enumerate([bench_result("none", 28.0, peer=22.0), bench_result("int8", 43.0)]):
+        files.append(str(tmp_path / f"{i}.json"))
+        (tmp_path / f"{i}.json").write_text(json.dumps(r))
+    assert main(["bench", "--plot", str(tmp_path / "out.png"), "--from", *files]) == 0
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["bench", "--plot", str(tmp_path / "out.svg"), "--from", *files]) == 0
+    svg = (tmp_path / "out.svg").read_text()
+    for label in ("read ceiling", "transformers", "28 (28%)", "43 (43%)", "int8"):  # (the ceiling: 100 tok/s)
+        assert label in svg, label
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plot", "out.pdf"], "--plot out.pdf: name a .png or .svg file"),
+    (["--from", "r.json"], "--from draws saved results: give --plot FILE too"),
+    (["--plot", "out.png", "--from", "absent.json"], "--from absent.json: cannot read it as JSON"),
+    (["--plot", "out.png", "--from", "list.json"], "--from list.json: not a `brisk bench --json` result"),
+])
+def test_bench_plot_mistakes_are_one_line_before_the_benchmark_runs(argv, message, tmp_path, monkeypatch, capsys):
+    from brisklm import bench
+    from brisklm.cli import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "list.json").write_text("[]")
+    monkeypatch.setattr(bench, "run", lambda opts: pytest.fail("the benchmark ran"))
+    assert main(["bench", "--preset", "smollm2-135m", *argv]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines
+
+
+def test_bench_plot_without_matplotlib_names_the_extra_before_running(monkeypatch, capsys):
+    from brisklm import bench
+    from brisklm.cli import main
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import matplotlib fails, as where it is not installed)
+    monkeypatch.setattr(bench, "run", lambda opts: pytest.fail("the benchmark ran"))
+    assert main(["bench", "--preset", "smollm2-135m", "--plot", "out.png"]) == 2
+    assert capsys.readouterr().err == 'error: --plot needs matplotlib: pip install -e ".[plot]"\n'
