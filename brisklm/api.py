@@ -305,8 +305,12 @@ class LLM:
 
     def stream_ids(self, prompt_ids: list[int], max_new_tokens: int = 256,
                    temperature: float = 0.0, top_k=None, top_p=None, min_p=None,
-                   seed=None, stop_ids=None) -> Iterator[int]:
-        """Yield sampled token ids. Bad arguments raise here, before anything is generated."""
+                   seed=None, stop_ids=None, json_schema=None, regex=None, grammar=None) -> Iterator[int]:
+        """Yield sampled token ids. Bad arguments raise here, before anything is generated.
+        json_schema (a dict or its JSON text), regex or grammar (Lark or GBNF
+        text, or a constrain.Grammar): the output matches it (constrain.py)."""
+        from .constrain import compile_grammar
+        constraint = compile_grammar(self.tokenizer, self.model.args.vocab_size, json_schema, regex, grammar)
         if stop_ids is None:
             stop_ids = self.tokenizer.eos_ids if self.tokenizer else ()
         try:
@@ -315,7 +319,7 @@ class LLM:
             raise BriskError(str(e)) from None
         self.check(prompt_ids, max_new_tokens)
         return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed, self.drafter,
-                                     self.draft_tokens)
+                                     self.draft_tokens, constraint=constraint and constraint.constraint())
 
     def check(self, prompt_ids: list[int], max_new_tokens: int):
         """A BriskError for a request this model cannot serve; one too long
@@ -468,7 +472,7 @@ class LLM:
         return "".join(self.chat_stream(messages, max_new_tokens, **kwargs))
 
 
-SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop_ids")
+SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "min_p", "seed", "stop_ids", "json_schema", "regex", "grammar")
 
 
 def check_keywords(method: str, given: dict, *more: str):

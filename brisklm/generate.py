@@ -193,6 +193,55 @@ class Generator:
                     self.first_token_at = time.perf_counter()
             yield int(host.item())
 
+    def _constrained(self, prompt_ids, start: int, max_new_tokens: int, settings, stop, constraint, t0):
+        """The decode loop under a grammar (constrain.Constraint): each token
+        sampled with the tokens the grammar forbids masked out. The forward of
+        token i is queued before the host reads it, so the host computes the
+        mask of token i+1 (llguidance, on the CPU) while the device runs that
+        forward; then the masked sampling is queued. Ends when the grammar is
+        complete, without a step for the end token."""
+        stats = self.stats
+        steps = self.constrained_steps
+        logits = steps.prefill(prompt_ids[start:], start)  # (1, V)
+        self.cached.extend(prompt_ids[start:])
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        pos, t_decode = len(prompt_ids), None
+        for i in range(max_new_tokens):
+            bits = constraint.mask()  # (overlaps the forward queued last)
+            if bits is None:
+                break
+            token = steps.sample(logits, settings, bits.to(self.device, non_blocking=True))
+            host = token.to("cpu", non_blocking=True)
+            if ready is not None:
+                ready.record()
+            if i + 1 < max_new_tokens:  # queue the next forward before reading this token
+                logits = steps.forward(token, pos + i)
+            if ready is not None:
+                ready.synchronize()
+            value = int(host.item())
+            if t_decode is None:
+                t_decode = time.perf_counter()
+                stats.prefill_s = t_decode - t0
+            if i + 1 < max_new_tokens:  # (its keys are in the cache)
+                self.cached.append(value)
+            stats.new_tokens = i + 1
+            stats.decode_s = time.perf_counter() - t_decode
+            yield value
+            if value in stop:
+                break
+            constraint.advance(value)
+        self._sync()
+        if t_decode is not None and stats.new_tokens > 1:
+            stats.decode_s = time.perf_counter() - t_decode
+
+    @property
+    def constrained_steps(self):
+        """The steps of _constrained (steps.ConstrainedSteps), made at first use."""
+        if getattr(self, "_constrained_steps", None) is None:
+            from .steps import ConstrainedSteps
+            self._constrained_steps = ConstrainedSteps(self.steps)
+        return self._constrained_steps
+
     @torch.no_grad()  # (as generation runs it: a compiled step guards on grad mode)
     def logits(self, ids, start: int, model: Transformer | None = None, last: int | None = None,
                depth: int | None = None) -> torch.Tensor:
@@ -202,11 +251,13 @@ class Generator:
     @torch.no_grad()
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                stop_ids=(), seed: int | None = None, drafter=None, draft_tokens: int = 4,
-               adapt_drafts: bool = True) -> Iterator[int]:
+               adapt_drafts: bool = True, constraint=None) -> Iterator[int]:
         """Yield up to max_new_tokens sampled ids; stops after yielding a stop id.
         With a drafter (speculative.py), each target forward checks up to
         draft_tokens proposed ones: as many as pay, by the run's own measure
-        (speculative.DraftPolicy), or always draft_tokens (adapt_drafts=False)."""
+        (speculative.DraftPolicy), or always draft_tokens (adapt_drafts=False).
+        With a constraint (constrain.Constraint), every token is sampled among
+        those its grammar allows (_constrained; not speculated)."""
         self.check(prompt_ids, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
@@ -221,6 +272,9 @@ class Generator:
         stop = set(stop_ids)
         t0 = time.perf_counter()
         settings = params.on(self.device)
+        if constraint is not None:  # (a loop of its own: unconstrained decoding keeps its fast path)
+            yield from self._constrained(prompt_ids, start, max_new_tokens, settings, stop, constraint, t0)
+            return
         token = self.steps.prefill(prompt_ids[start:], start, settings)
         self.cached.extend(prompt_ids[start:])
         if drafter is not None:

@@ -97,3 +97,19 @@ def sample(logits: torch.Tensor, params) -> torch.Tensor:
     probs, order = sorted_probs(logits, settings)
     q = torch.empty_like(probs).exponential_(1)
     return order.gather(-1, argmax(probs / q)[:, None]).squeeze(-1)
+
+
+def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A bitmask (W,) int32, bit t % 32 of word t // 32 set for an allowed
+    token t (llguidance's layout, constrain.py) -> (vocab_size,) bool, on the device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits[:, None] >> shifts) & 1).view(-1)[:vocab_size].bool()
+
+
+def sample_allowed(logits: torch.Tensor, settings, bits: torch.Tensor) -> torch.Tensor:
+    """sample() over the tokens a grammar allows: the others' logits are -inf
+    before temperature and every filter, so top-k, top-p and min-p choose among
+    allowed tokens only. The mask is data (a tensor), so one compiled step or
+    CUDA graph serves every grammar."""
+    allowed = allowed_tokens(bits, logits.shape[-1])
+    return sample(logits.masked_fill(~allowed, -float("inf")), settings)

@@ -331,3 +331,31 @@ class Steps:
             self.logits((prompt_ids * rows)[:rows], 0)
             if draft is not None or depth is not None:
                 self.logits(prompt_ids[:1], 0, model=draft, last=0, depth=depth)
+
+
+class ConstrainedSteps:
+    """The steps of decoding under a grammar, on top of a Steps: the logits of
+    one token (Steps.logits: compiled, graphed or eager as decoding is), then
+    sampling under the grammar's mask (sampling.sample_allowed, replayed from
+    a CUDA graph on CUDA): two launches a token, so that the host can compute
+    the next mask between them, while the device runs the forward."""
+
+    def __init__(self, steps: Steps):
+        from .sampling import sample_allowed
+        self.steps = steps
+        graphs = steps.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0"
+        self.graphed = graphs
+        self.sampler = replayed(sample_allowed) if graphs else sample_allowed
+
+    def prefill(self, ids: list[int], start: int) -> torch.Tensor:
+        """The keys and values of ids into the cache -> the logits (1, V) after the last."""
+        return self.steps.logits(ids, start, last=len(ids) - 1)[0]
+
+    def forward(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        """token (1,) on the device, at position pos -> the logits (1, V) after it."""
+        return self.steps.logits(token, pos, last=0)[0]
+
+    def sample(self, logits: torch.Tensor, settings, bits: torch.Tensor) -> torch.Tensor:
+        """The next token (1,) under the bitmask bits (W,), already on the device."""
+        token = self.sampler(logits, settings, bits)
+        return token.clone() if self.graphed else token
