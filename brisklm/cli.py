@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--profile", default=None, help="write a torch.profiler trace of the last sample here")
     g.add_argument("--quiet", action="store_true", help="print only the generated text")
+    g.add_argument("--json_schema", default=None, metavar="FILE",
+                   help="the output is JSON valid against the schema in this file (needs llguidance)")
+    g.add_argument("--json_object", action="store_true", help="the output is a JSON object (needs llguidance)")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="the output matches the grammar in this file: Lark (llguidance's) or llama.cpp GBNF")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression (needs llguidance)")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     _model_flags(c)
@@ -341,20 +347,22 @@ def cmd_generate(args):
     from .api import log
     _check_sampling(args)
     prompt_text = None if args.preset else read_prompt(args)  # (before loading: a bad file fails fast)
+    from .constrain import from_files
+    constraint = from_files(args.json_schema, args.grammar, args.regex, args.json_object)
     quiet = args.quiet or args.json
     llm = _load(args, quiet=quiet)
     seed = lambda i: None if args.seed is None else args.seed + i  # noqa: E731  (each sample its own)
     if args.preset:  # random weights and no tokenizer: token ids in, token ids out
         prompt_ids = [1 + i for i in range(5)]
         run = lambda i: llm.stream_ids(prompt_ids, args.max_new_tokens, stop_ids=(), seed=seed(i),  # noqa: E731
-                                       **_sampling(args))
+                                       **_sampling(args), **constraint)
         show = lambda piece: print(piece, end=" ", flush=True)  # noqa: E731
     else:
         tok = llm.require_tokenizer()
         prompt = llm.apply_chat_template([{"role": "user", "content": prompt_text}]) if args.chat else prompt_text
         prompt_ids = tok.encode(prompt, add_bos=False if args.chat else None)
         run = lambda i: llm.stream_ids_as_text(prompt_ids, args.max_new_tokens, args.stop,  # noqa: E731
-                                                seed=seed(i), **_sampling(args))
+                                                seed=seed(i), **_sampling(args), **constraint)
         show = lambda piece: print(piece, end="", flush=True)  # noqa: E731
     if args.json:
         show = lambda piece: None  # noqa: E731

@@ -245,3 +245,43 @@ class Constraint:
         """The ids the current mask allows (for tests and debugging)."""
         bits = self.bits.tolist()
         return [t for t in range(self.vocab_size) if (bits[t // 32] >> (t % 32)) & 1]
+
+
+def from_files(json_schema: str | None = None, grammar: str | None = None, regex: str | None = None,
+               json_object: bool = False) -> dict:
+    """The keywords of LLM.stream_ids for `brisk generate`'s flags: a schema
+    file (JSON), a grammar file (Lark or GBNF), a regex, or any JSON object;
+    read now, so that a missing file or llguidance fails before the model loads."""
+    given = [flag for flag, value in (("--json_schema", json_schema), ("--grammar", grammar), ("--regex", regex),
+                                      ("--json_object", json_object)) if value]
+    if not given:
+        return {}
+    if len(given) > 1:
+        raise BriskError(f"give one of {' and '.join(given)}")
+    llguidance()
+    if json_object:
+        return {"json_schema": {"type": "object"}}
+    if regex is not None:
+        return checked({"regex": regex})
+    path = json_schema or grammar
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BriskError(f"{given[0]} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if grammar is not None:
+        return checked({"grammar": text})
+    try:
+        return checked({"json_schema": json.loads(text)})
+    except ValueError as e:
+        raise BriskError(f"--json_schema {path}: not valid JSON ({e})") from None
+
+
+def checked(given: dict) -> dict:
+    """given ({kind: value}), once llguidance has found nothing wrong in it
+    without a vocabulary (a BriskError naming what is wrong)."""
+    (kind, value), = given.items()
+    error = llguidance().LLMatcher.validate_grammar(_source(kind, value))
+    if error and not error.startswith("WARNING"):
+        raise BriskError(f"{kind}: {_first_line(error)}")
+    return given
