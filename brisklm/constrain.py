@@ -285,3 +285,24 @@ def checked(given: dict) -> dict:
     if error and not error.startswith("WARNING"):
         raise BriskError(f"{kind}: {_first_line(error)}")
     return given
+
+
+def closed(schema):
+    """schema with every object that lists its properties closed to others
+    (additionalProperties: false where it says nothing), as OpenAI's strict
+    mode reads a schema: a small model given an open object tends to add
+    keys until it runs out of tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in SUBSCHEMAS else v for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(s) for name, s in out[k].items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "additionalProperties", "if", "then", "else")

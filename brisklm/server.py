@@ -41,9 +41,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import chat as chat_format
 from .api import LLM, _text_pieces
 from .errors import BriskError
 from .sampling import SamplingParams, sample
@@ -172,6 +173,20 @@ def encodable(text: str) -> str:
 Text = Annotated[str, AfterValidator(encodable)]
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
@@ -185,6 +200,9 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     ignore_eos: bool = False  # (an extension, as vLLM's: generate max_tokens whatever comes; for load tests)
+    response_format: ResponseFormat | None = None
+    grammar: Text | None = None  # (an extension, as llama.cpp's: a GBNF grammar, or llguidance's Lark)
+    _grammar: object = PrivateAttr(None)  # (the constraint compiled: constrain.Grammar)
 
 
 class CompletionRequest(Sampling):
@@ -200,10 +218,51 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"  # (JSON text, as OpenAI sends it)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[Text, list[TextPart], None] = None  # (an image part: refused, this model reads text)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(Sampling):
@@ -212,6 +271,21 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tools_on(self) -> bool:
+        """Whether the model is offered the tools (and its reply parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a call is forced to ("" for any of the tools), or None."""
+        if not self.tools_on or self.tool_choice in (None, "auto"):
+            return None
+        return "" if self.tool_choice == "required" else self.tool_choice.function.name
 
 
 class TokenizeRequest(BaseModel):  # (vLLM's fields; llama.cpp's content and add_special also taken)
@@ -233,6 +307,93 @@ def message_text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(part.text for part in content)
+
+
+def message_dict(m: Message) -> dict:
+    """A message as chat templates take it (a call's arguments as a dict, as transformers passes them)."""
+    out = {"role": m.role, "content": message_text(m.content) if m.content is not None or not m.tool_calls else None}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": json_or_text(c.function.arguments)}}
+                             for c in m.tool_calls]
+    if m.role == "tool":
+        out.update(tool_call_id=m.tool_call_id, name=m.name)
+    return out
+
+
+def json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def chat_prompt_ids(llm: LLM, body: "ChatRequest") -> list[int]:
+    """The prompt of a chat request: with tools, rendered by a template that
+    knows them (its `tools` variable), else in the Hermes layout
+    (chat.with_tools); a special token's text in a message stays text."""
+    messages = [message_dict(m) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools_on else None
+    tok = llm.require_tokenizer()
+    uses_tools = tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if not uses_tools:
+        return llm.chat_ids(messages)
+    if not chat_format.renders_tools(tok.chat_template):
+        return llm.chat_ids(chat_format.with_tools(messages, tools))
+    bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+    eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
+    try:
+        text, contents = chat_format.render_marked(tok.chat_template, messages, bos_token=bos, eos_token=eos,
+                                                   tools=tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return tok.encode_literal(text, contents)
+
+
+def compile_constraint(llm: LLM, body: Sampling):
+    """body's constraint compiled into body._grammar (in a worker thread: a
+    compile takes up to constrain.COMPILE_TIMEOUT_S): a forced tool call's
+    grammar, else the grammar field, else response_format. A bad one is a
+    400 naming it."""
+    from .constrain import closed, compile_grammar
+    forced = getattr(body, "forced_tool", None)
+    form = body.response_format if body.response_format and body.response_format.type != "text" else None
+    if forced is None and body.grammar is not None and form is not None:
+        raise APIError(400, "give either grammar or response_format, not both", param="grammar")
+    if forced is not None:
+        names = [t.function.name for t in body.tools]
+        if forced and forced not in names:
+            raise APIError(400, f"tool_choice: no tool is named {forced!r} (tools: {', '.join(names)})",
+                           param="tool_choice")
+        tools = [{"function": {"name": t.function.name, "parameters": closed(t.function.parameters)}}
+                 for t in body.tools]
+        given, param = {"grammar": chat_format.tool_call_grammar(tools, forced or None,
+                                                                  body.parallel_tool_calls)}, "tools"
+    elif body.grammar is not None:
+        given, param = {"grammar": body.grammar}, "grammar"
+    elif form is not None and form.type == "json_object":
+        given, param = {"json_schema": {"type": "object"}}, "response_format"
+    elif form is not None:
+        if form.json_schema is None or form.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema: give the JSON schema",
+                           param="response_format.json_schema.schema")
+        schema = form.json_schema.schema_
+        given, param = {"json_schema": closed(schema) if form.json_schema.strict else schema}, \
+            "response_format.json_schema.schema"
+    else:
+        return
+    try:
+        body._grammar = compile_grammar(llm.tokenizer, llm.model.args.vocab_size, **given)
+    except BriskError as e:
+        reason = str(e).split(": ", 1)[1] if str(e).startswith(tuple(f"{k}: " for k in given)) else str(e)
+        raise APIError(400, f"{param}: {reason}", param=param, code="invalid_constraint") from None
+
+
+def tool_call_object(call: dict, index: int | None = None) -> dict:
+    """A call {"name", "arguments"} as OpenAI returns it, with an id of its own."""
+    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+           "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return out if index is None else {"index": index, **out}
 
 
 class ErrorDetail(BaseModel):
@@ -511,9 +672,17 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
 
     def sampling_of(body: Sampling, index: int) -> dict:
         top_p = 1.0 if body.top_p is None else body.top_p
+        constrained = {"grammar": body._grammar} if body._grammar is not None else {}
         return dict(temperature=1.0 if body.temperature is None else body.temperature,
                     top_p=None if top_p >= 1 else top_p, top_k=body.top_k, min_p=body.min_p,
-                    seed=None if body.seed is None else (body.seed + index) % 2 ** 64)
+                    seed=None if body.seed is None else (body.seed + index) % 2 ** 64, **constrained)
+
+    async def constrained(body: Sampling, logprobs: bool):
+        """Compile body's constraint (compile_constraint); logprobs under one are refused for now."""
+        await asyncio.to_thread(compile_constraint, llm, body)
+        if logprobs and (body._grammar is not None or getattr(body, "tools_on", False)):
+            raise APIError(400, "logprobs is not supported with response_format, grammar or tools yet",
+                           param="logprobs")
 
     def checked(ids: list[int], max_tokens: int):
         if not ids:
@@ -597,6 +766,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             checked(ids, body.max_tokens)
         if body.stream and body.echo:
             raise APIError(400, "echo is not supported with stream", param="echo")
+        await constrained(body, body.logprobs is not None)
         jobs = [(text, ids, i) for text, ids in encoded for i in range(body.n)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         meta = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
@@ -620,8 +790,8 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body)
         bounded(1, body.n)
-        messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
-        ids = await asyncio.to_thread(llm.chat_ids, messages)
+        ids = await asyncio.to_thread(chat_prompt_ids, llm, body)
+        await constrained(body, body.logprobs)
         max_tokens = body.max_completion_tokens or body.max_tokens or \
             max(1, min(4096, llm.generator.max_seq_length - len(ids)))
         checked(ids, max_tokens)
@@ -634,8 +804,15 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         choices, completion_tokens = [], 0
         top = (body.top_logprobs or 0) if body.logprobs else None
         for index, (reply, out) in enumerate(await generate_all(request, jobs, body, max_tokens, top)):
-            choice = {"index": index, "message": {"role": "assistant", "content": reply},
-                      "logprobs": None, "finish_reason": out["finish_reason"]}
+            message, finish = {"role": "assistant", "content": reply}, out["finish_reason"]
+            if body.tools_on:
+                content, calls = chat_format.parse_tool_calls(reply, [t.function.name for t in body.tools])
+                calls = calls if body.parallel_tool_calls else calls[:1]
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [tool_call_object(c) for c in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
             if body.logprobs:
                 choice["logprobs"] = logprobs_object(llm.tokenizer, out["entries"], chat=True)
             choices.append(choice)
@@ -670,8 +847,13 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                                                top)
                     job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
                     offset = 0
+                    calls = ToolCallDeltas(body, index, meta) if chat and body.tools_on else None
                     while (given := await queue.get()) is not None:
                         piece, entries = given if len(given) == 2 else (given[0], None)
+                        if calls is not None:
+                            for event in calls.push(piece):
+                                yield event
+                            continue
                         delta = {"content": piece} if chat else None
                         choice = {"index": index, "delta": delta} if chat else {"index": index, "text": piece}
                         logprobs = None if entries is None else logprobs_object(llm.tokenizer, entries, chat, offset)
@@ -688,8 +870,13 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                         yield sse(SHUTTING_DOWN_EVENT)
                         break
                     completion_tokens += len(out["ids"])
+                    finish = out["finish_reason"]
+                    if calls is not None:
+                        for event in calls.finish():
+                            yield event
+                        finish = "tool_calls" if calls.count and finish == "stop" else finish
                     last = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
-                    yield sse({**meta, "choices": [{**last, "logprobs": None, "finish_reason": out["finish_reason"]}]})
+                    yield sse({**meta, "choices": [{**last, "logprobs": None, "finish_reason": finish}]})
                 else:
                     if (body.stream_options or {}).get("include_usage"):
                         prompt_tokens = sum(len(ids) for _, ids, i in jobs if i == 0)
@@ -710,6 +897,43 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         engine.worker.shutdown(wait=True)
 
     return app
+
+
+class ToolCallDeltas:
+    """A streamed reply's text as chat deltas, its tool calls as OpenAI
+    streams them: a delta that opens each call (index, id, type, name, empty
+    arguments), then one with its arguments (chat.ToolCallSplitter holds text
+    back until it knows whether a call starts)."""
+
+    def __init__(self, body: "ChatRequest", index: int, meta: dict):
+        self.index, self.meta, self.count = index, meta, 0
+        self.parallel = body.parallel_tool_calls
+        self.splitter = chat_format.ToolCallSplitter([t.function.name for t in body.tools])
+
+    def push(self, piece: str) -> list[str]:
+        return self.events(self.splitter.push(piece))
+
+    def finish(self) -> list[str]:
+        return self.events(self.splitter.finish())
+
+    def events(self, found) -> list[str]:
+        out = []
+        for kind, value in found:
+            if kind == "content":
+                if self.count and not value.strip():  # (the line breaks between calls)
+                    continue
+                out.append(self.delta({"content": value}))
+            elif self.parallel or not self.count:
+                opened = tool_call_object({**value, "arguments": ""}, self.count)
+                out.append(self.delta({"tool_calls": [opened]}))
+                out.append(self.delta({"tool_calls": [{"index": self.count,
+                                                       "function": {"arguments": value["arguments"]}}]}))
+                self.count += 1
+        return out
+
+    def delta(self, delta: dict) -> str:
+        return sse({**self.meta, "choices": [{"index": self.index, "delta": delta, "logprobs": None,
+                                              "finish_reason": None}]})
 
 
 def is_type_tag(part) -> bool:
