@@ -253,6 +253,10 @@ def download(repo_id: str, revision: str | None = None) -> str:
         from huggingface_hub import list_repo_files, snapshot_download
     except ImportError:
         raise BriskError(f"fetching {repo_id} needs huggingface_hub: pip install -e \".[hub]\"") from None
+    import logging
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # (offline, each retry would print a warning before our one line)
     try:
         patterns = download_patterns(ref, list_repo_files(ref.repo, revision=revision))
         folder = snapshot_download(ref.repo, revision=revision, allow_patterns=patterns,
@@ -262,6 +266,8 @@ def download(repo_id: str, revision: str | None = None) -> str:
     except Exception as e:  # (offline, unknown repo, gated: huggingface_hub's own words, first line)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BriskError(f"cannot download {repo_id!r}: {msg}") from None
+    finally:
+        hub_log.setLevel(level)
     return _model_path(folder, ref)
 
 
