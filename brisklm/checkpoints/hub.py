@@ -181,24 +181,24 @@ def has_weights(folder: str) -> bool:
     return "brisk.json" in names or any(n.endswith((".safetensors", ".gguf", ".bin")) for n in names)
 
 
-def choose_gguf(ref: RepoRef, names: list[str]) -> str | None:
+def choose_gguf(ref: RepoRef, names: list[str], where: str = "the repo") -> str | None:
     """The GGUF file of a repo's files that ref names (by file or tag); the
     only one where it names none and there is one; None where there is none."""
     ggufs = sorted(n for n in names if n.endswith(".gguf"))
     if ref.file:
         if ref.file not in ggufs:
-            raise BriskError(f"{ref.text}: the repo has no {ref.file} ({_listed(ggufs)})")
+            raise BriskError(f"{ref.text}: {where} has no {ref.file} ({_listed(ggufs)})")
         return ref.file
     if ref.tag:
         tag = ref.tag.lower()
         exact = [n for n in ggufs if re.search(rf"[.-]{re.escape(tag)}\.gguf$", n.lower())]
         found = exact or [n for n in ggufs if tag in n.lower()]
         if len(found) != 1:
-            raise BriskError(f"{ref.text}: {'no' if not found else len(found)} GGUF files of the repo match "
+            raise BriskError(f"{ref.text}: {'no' if not found else len(found)} GGUF files of {where} match "
                              f"{ref.tag!r} ({_listed(ggufs)}); name one as {ref.repo}/FILE.gguf")
         return found[0]
     if len(ggufs) > 1:
-        raise BriskError(f"{ref.text}: the repo holds {len(ggufs)} GGUF files ({_listed(ggufs)}); name one, "
+        raise BriskError(f"{ref.text}: {where} holds {len(ggufs)} GGUF files ({_listed(ggufs)}); name one, "
                          f"as {ref.repo}/{ggufs[0]} or by its quantization, {ref.repo}:Q4_K_M")
     return ggufs[0] if ggufs else None
 
@@ -229,14 +229,21 @@ def find_model(text: str) -> str | None:
                  f"not in the Hugging Face hub caches ({', '.join(caches)})")
         raise BriskError(f"{text}: no such file or folder, and {found}; `brisk download {text}` fetches it "
                          f"({DOWNLOAD_ENV}=1 fetches on load)")
-    return _model_path(folder, ref)
+    try:
+        return _model_path(folder, ref, "the cached snapshot")
+    except BriskError as e:
+        if not (ref.file or ref.tag):
+            raise
+        if os.environ.get(DOWNLOAD_ENV) == "1":  # (a quantization the cache lacks, the repo may hold)
+            return download(text)
+        raise BriskError(f"{e}; `brisk download {text}` fetches it from the hub") from None
 
 
-def _model_path(folder: str, ref: RepoRef) -> str:
+def _model_path(folder: str, ref: RepoRef, where: str = "the repo") -> str:
     names = os.listdir(folder)
     if not (ref.file or ref.tag) and ("config.json" in names or "brisk.json" in names):
         return folder
-    chosen = choose_gguf(ref, names)
+    chosen = choose_gguf(ref, names, where)
     return os.path.join(folder, chosen) if chosen else folder
 
 
