@@ -25,7 +25,8 @@ def main():
     outputs = {}
     for way, kw in ways.items():
         os.environ["BRISKLM_CUDA_GRAPHS"] = kw.pop("graphs", "1")
-        llm = brisklm.load(preset=opts.preset, device="cuda", dtype="float32", max_seq_length=2048, **kw)
+        llm = brisklm.load(preset=opts.preset, device="cuda", dtype="float32", max_seq_length=2048,
+                           allow_long_context=True, **kw)  # (a tiny preset's context is shorter)
         vocab, out = llm.model.args.vocab_size, []
         for n in (1, 5, 16, 17, 100, 300):
             ids = _prompt(n, vocab, seed=n)

@@ -471,7 +471,11 @@ class MoEFeedForward(nn.Module):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in chosen.unique().tolist():
             token, slot = (chosen == e).nonzero(as_tuple=True)
-            y.index_add_(0, token, self.experts[e](x[token]).float() * weights[token, slot, None])
+            rows = x[token]
+            if x.is_cuda and len(token) < self.DEVICE_ROWS:  # rows padded to a power of two from 16, as the
+                # prefill graphs' are: the GPU kernels built for those serve them, where a new count would build its own
+                rows = F.pad(rows, (0, 0, 0, max(16, 1 << (len(token) - 1).bit_length()) - len(token)))
+            y.index_add_(0, token, self.experts[e](rows)[:len(token)].float() * weights[token, slot, None])
         return y
 
     def by_slot(self, x, weights, chosen):
