@@ -432,6 +432,15 @@ def cmd_chat(args):
          history_file=os.path.join(cache_dir(), "chat_history"))
 
 
+def repo_id(checkpoint: str | None) -> str | None:
+    """The hub repo (org/name) a --checkpoint_path names, where it is not a path on disk."""
+    from .checkpoints.hub import parse_repo_id
+    if not checkpoint or os.path.exists(os.path.expanduser(checkpoint)):
+        return None
+    ref = parse_repo_id(checkpoint)
+    return ref.repo if ref else None
+
+
 def fresh_output(path: str, force: bool):
     """Refuse to write over an existing file or non-empty folder, unless force."""
     if os.path.exists(path) and not force and not (os.path.isdir(path) and not os.listdir(path)):
@@ -501,7 +510,8 @@ def cmd_quantize(args):
     from .checkpoints.native import NativeWriter, save_native
     from .quantize import quantizer, untied
     kind, source = resolve(args.checkpoint_path)
-    output = args.output or os.path.splitext(source.rstrip("/"))[0] + f"-{args.mode}"
+    repo = repo_id(args.checkpoint_path)  # (a hub snapshot: the output goes here, not into the hub's cache)
+    output = args.output or (repo.split("/")[-1] if repo else os.path.splitext(source.rstrip("/"))[0]) + f"-{args.mode}"
     fresh_output(output, args.force)
     scheme = {"mode": args.mode, "groupsize": 32 if args.mode == "gguf" else
               (args.groupsize if args.mode.startswith("int4") else None)}
@@ -697,7 +707,7 @@ def cmd_serve(args):
     llm = _load(args)
     if llm.tokenizer is None:
         raise BriskError(f"{llm.name}: no tokenizer, nothing to serve (give a checkpoint with tokenizer files)")
-    name = args.model_name or os.path.basename(str(llm.name).rstrip("/")) or "model"
+    name = args.model_name or repo_id(args.checkpoint_path) or os.path.basename(str(llm.name).rstrip("/")) or "model"
     llm.warm_up(llm.require_tokenizer().encode("Hello"), quiet=False)
     serve(llm, args.host, args.port, name, args.api_key, args.queue)
 

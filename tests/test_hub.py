@@ -229,3 +229,12 @@ def test_brisk_list_with_empty_caches_says_so_and_how_to_fetch(monkeypatch, tmp_
     out = capsys.readouterr().out
     assert out.startswith("No models cached") and "`brisk download org/name`" in out
     assert main(["list", "--json"]) == 0 and json.loads(capsys.readouterr().out) == []
+
+
+def test_quantizing_a_repo_id_writes_beside_the_user_not_into_the_hub_cache(hub_env, monkeypatch, tmp_path):
+    """The default output of `brisk quantize org/name` is ./name-int8 (inside the
+    hub's snapshots/ it would list as a revision of the repo)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", "--checkpoint_path", TINY, "--mode", "int8"]) == 0
+    assert (tmp_path / (TINY.split("/")[-1] + "-int8") / "brisk.json").exists()
+    assert not any(name.endswith("-int8") for name in os.listdir(os.path.dirname(hub_env[TINY])))
