@@ -1,0 +1,239 @@
+"""Structured output (constrain.py): masked sampling on the device, the Hermes
+tool-call layout, and on the real SmolLM2 (fp32, CPU) outputs that match
+their JSON schema, regex or grammar from the Python API and the CLI, greedy
+output equal to a reference masked step by step in plain Python, and one-line
+errors for bad constraints."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from brisklm import chat
+from brisklm.errors import BriskError
+from brisklm.sampling import SamplingParams, allowed_tokens, sample_allowed
+
+jsonschema = pytest.importorskip("jsonschema")
+
+
+def bitmask(allowed: set[int], vocab: int) -> torch.Tensor:
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_the_bitmask_layout_is_llguidance_s():
+    allowed = {0, 5, 31, 32, 63, 99}
+    assert allowed_tokens(bitmask(allowed, 100), 100).nonzero().view(-1).tolist() == sorted(allowed)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.5, top_p=0.5),
+                                    SamplingParams(temperature=1.0, min_p=0.3)])
+def test_masked_sampling_picks_only_allowed_tokens_under_every_filter(params):
+    torch.manual_seed(0)
+    vocab, allowed = 300, {3, 77, 150, 299}
+    bits = bitmask(allowed, vocab)
+    for _ in range(50):
+        logits = torch.randn(1, vocab) * 5
+        assert int(sample_allowed(logits, params.on("cpu"), bits)) in allowed
+
+
+def test_greedy_masked_sampling_is_the_best_allowed_token():
+    logits = torch.randn(1, 64)
+    allowed = {1, 9, 40}
+    best = max(allowed, key=lambda t: logits[0, t])
+    assert int(sample_allowed(logits, None, bitmask(allowed, 64))) == best
+
+
+# --- the tool-call layout ---------------------------------------------------------
+
+def test_tool_calls_are_parsed_out_of_a_reply():
+    text = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "g", "arguments": {}}'
+    content, calls = chat.parse_tool_calls(text, {"f", "g"})
+    assert content == "Let me look."
+    assert calls == [{"name": "f", "arguments": '{"x": 1}'}, {"name": "g", "arguments": "{}"}]
+
+
+def test_a_block_that_is_not_a_known_call_stays_text():
+    text = 'a <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call> b <tool_call>oops</tool_call>'
+    assert chat.parse_tool_calls(text, {"f"}) == (text, [])
+
+
+def test_streamed_pieces_split_into_the_same_content_and_calls():
+    text = 'Hi <tool_call>\n{"name": "f", "arguments": {"x": [1, 2]}}\n</tool_call> bye'
+    for size in (1, 2, 5, 100):
+        splitter, events = chat.ToolCallSplitter({"f"}), []
+        for i in range(0, len(text), size):
+            events += splitter.push(text[i:i + size])
+        events += splitter.finish()
+        content = "".join(v for k, v in events if k == "content")
+        assert content == "Hi  bye"
+        assert [v for k, v in events if k == "call"] == [{"name": "f", "arguments": '{"x": [1, 2]}'}]
+
+
+def test_tools_go_into_the_system_message_and_results_into_user_turns():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "content": "42", "tool_call_id": "1"}]
+    out = chat.with_tools(messages, tools)
+    assert out[0]["role"] == "system" and '"name": "f"' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+
+
+def test_strict_schemas_close_their_objects():
+    from brisklm.constrain import closed
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"type": "object", "properties": {}}}},
+              "$defs": {"d": {"type": "object", "properties": {"e": {}}, "additionalProperties": True}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["d"]["additionalProperties"] is True  # (what a schema says stays)
+
+
+# --- on the real model --------------------------------------------------------------
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99},
+                                                                          "y": {"type": "integer", "minimum": -99, "maximum": 99}},
+                                           "required": ["x", "y"], "additionalProperties": False}},
+     "properties": {"start": {"$ref": "#/$defs/point"}, "label": {"type": "string", "maxLength": 10}},
+     "required": ["start"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+]
+PERSON = [{"role": "user", "content": "Describe a person, a color or a point as JSON."}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_api_output_validates_against_its_schema(smol_llm, index, temperature):
+    text = smol_llm.chat(PERSON, max_new_tokens=80, json_schema=SCHEMAS[index], temperature=temperature,
+                         top_p=0.95, seed=index)
+    jsonschema.validate(json.loads(text), SCHEMAS[index])
+
+
+@pytest.mark.slow
+def test_api_output_matches_its_regex_and_grammar(smol_llm):
+    import re
+    out = smol_llm.generate("Today's date:", max_new_tokens=16, regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", out), out
+    gbnf = 'root ::= answer "." \nanswer ::= "yes" | "no"'
+    assert smol_llm.generate("Is water wet? Answer:", max_new_tokens=8, grammar=gbnf) in ("yes.", "no.")
+    lark = 'start: "The answer is " NUMBER\nNUMBER: /[0-9]{1,3}/'
+    assert re.fullmatch(r"The answer is [0-9]{1,3}", smol_llm.generate("2 + 2?", max_new_tokens=10, grammar=lark))
+
+
+@pytest.mark.slow
+def test_streamed_constrained_text_is_the_generated_text(smol_llm):
+    schema = SCHEMAS[1]
+    streamed = "".join(smol_llm.chat_stream(PERSON, max_new_tokens=30, json_schema=schema))
+    assert streamed == smol_llm.chat(PERSON, max_new_tokens=30, json_schema=schema)
+
+
+def reference_under_regex(llm, prompt_ids: list[int], pattern: str, n: int) -> list[int]:
+    """Greedy decoding masked step by step in plain Python: each step's logits
+    from a fresh forward over the whole sequence, the allowed tokens those
+    whose text keeps the output a prefix of a match (the `regex` module's
+    partial matching), an end token once the output matches whole."""
+    regex = pytest.importorskip("regex")
+    tok, vocab = llm.tokenizer, llm.model.args.vocab_size
+    texts = [tok.decode([i]) for i in range(vocab)]
+    special = set(tok.backend.tok.get_added_tokens_decoder())
+    ids, out, made = list(prompt_ids), "", []
+    for _ in range(n):
+        allowed = [t for t in range(vocab) if t not in special and texts[t]
+                   and regex.fullmatch(pattern, out + texts[t], partial=True)]
+        if not allowed:  # (the match is complete: nothing may follow it)
+            break
+        allowed += tok.eos_ids if regex.fullmatch(pattern, out) else []
+        llm.generator.reset()
+        logits = llm.generator.logits(ids, 0, last=len(ids) - 1)[0, -1]
+        best = max(allowed, key=lambda t: logits[t].item())
+        made.append(best)
+        if best in tok.eos_ids:
+            break
+        out, ids = out + texts[best], ids + [best]
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt,pattern", [("Is the sky blue? Answer:", r" ?(yes|no|maybe)(, because [a-z ]{1,30})?\."),
+                                            ("The year and city of the first Olympics:", r"[0-9]{4}, [A-Z][a-z]+")])
+def test_greedy_constrained_output_equals_a_plain_python_masked_reference(smol_llm, prompt, pattern):
+    ids = smol_llm.tokenizer.encode(prompt)
+    expected = reference_under_regex(smol_llm, ids, pattern, 12)
+    smol_llm.generator.reset()
+    assert list(smol_llm.stream_ids(ids, 12, regex=pattern)) == expected
+
+
+@pytest.mark.slow
+def test_speculative_decoding_with_a_constraint_gives_the_constrained_output(smollm2_gguf, smol_llm):
+    """Speculation is not used under a constraint (its loop runs instead): the output is the same."""
+    import brisklm
+    speculating = brisklm.load(smollm2_gguf, device="cpu", dtype="float32", max_seq_length=1024,
+                               quantize="none", speculate="ngram")
+    for schema in SCHEMAS[:2]:
+        assert speculating.chat(PERSON, max_new_tokens=40, json_schema=schema) == \
+            smol_llm.chat(PERSON, max_new_tokens=40, json_schema=schema)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given,named", [
+    (dict(json_schema="{"), "json_schema: not valid JSON"),
+    (dict(json_schema={"type": "nope"}), "json_schema: "),
+    (dict(json_schema={"$ref": "#/$defs/missing"}), "json_schema: "),
+    (dict(regex="[a-"), "regex: "),
+    (dict(grammar="start: undefined_rule"), "grammar: "),
+    (dict(grammar='root ::= "a" ('), "grammar: "),
+    (dict(regex="a", grammar="start: \"a\""), "give one constraint"),
+])
+def test_a_bad_constraint_is_one_line_naming_it(smol_llm, given, named):
+    with pytest.raises(BriskError) as e:
+        smol_llm.generate("x", max_new_tokens=4, **given)
+    assert str(e.value).startswith(named) and "\n" not in str(e.value)
+
+
+def brisk(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "brisklm", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+
+
+@pytest.mark.slow
+def test_cli_output_validates_against_the_schema_file(tmp_path, smollm2_gguf):
+    schema = SCHEMAS[0]
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    done = brisk("generate", "--checkpoint_path", smollm2_gguf, "--json_schema", str(tmp_path / "schema.json"),
+                 "--chat", "--prompt", "Describe a person as JSON.", "--max_new_tokens", "60", "--quiet")
+    assert done.returncode == 0, done.stderr[-2000:]
+    jsonschema.validate(json.loads(done.stdout), schema)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,said", [(["--json_schema", "missing.json"], "cannot read it"),
+                                        (["--json_schema", "bad.json"], "json_schema: "),
+                                        (["--regex", "[a-"], "regex: "),
+                                        (["--regex", "a", "--json_object"], "give one of")])
+def test_cli_a_bad_constraint_is_one_error_line_before_loading(tmp_path, flags, said):
+    (tmp_path / "bad.json").write_text('{"type": "nope"}')
+    flags = [str(tmp_path / f) if f.endswith(".json") else f for f in flags]
+    done = brisk("generate", *flags, timeout=60)
+    assert done.returncode != 0
+    assert said in done.stderr and "Traceback" not in done.stderr and "Loading" not in done.stderr
