@@ -685,3 +685,119 @@ def test_the_readme_lm_eval_command_runs_against_the_server(tiny_server, tmp_pat
                           env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "my_task" in done.stdout and "acc" in done.stdout
+
+
+# --- structured output and tool calls (constrain.py) --------------------------------
+
+STRUCTURED = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                      "sunny": {"type": "boolean"}}, "required": ["city"]},
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3,
+                                                "items": {"type": "string", "maxLength": 10}}},
+     "required": ["items"]},
+]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def streamed_text(client, **kwargs) -> str:
+    chunks = client.chat.completions.create(stream=True, **kwargs)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("index", range(len(STRUCTURED)))
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_reply_validates(client, model_id, index, stream):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = STRUCTURED[index]
+    kwargs = dict(model=model_id, messages=[{"role": "user", "content": "Answer in JSON."}], max_tokens=80,
+                  temperature=0.7, seed=index,
+                  response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema,
+                                                                          "strict": True}})
+    text = streamed_text(client, **kwargs) if stream else client.chat.completions.create(**kwargs) \
+        .choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_object_reply_is_a_json_object(client, model_id, stream):
+    kwargs = dict(model=model_id, max_tokens=100, temperature=0, response_format={"type": "json_object"},
+                  messages=[{"role": "user", "content": 'Reply with a JSON object whose key "answer" holds the '
+                                                        'capital of France.'}])
+    text = streamed_text(client, **kwargs) if stream else client.chat.completions.create(**kwargs) \
+        .choices[0].message.content
+    assert isinstance(json.loads(text), dict)
+
+
+def test_the_grammar_field_constrains_a_completion(client, model_id):
+    done = client.completions.create(model=model_id, prompt="Is the sky blue? Answer:", max_tokens=8,
+                                     temperature=0, extra_body={"grammar": 'root ::= " yes" | " no"'})
+    assert done.choices[0].text in (" yes", " no")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"grammar": 'root ::= "a" ('}, "grammar"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}, "logprobs": True}, "logprobs"),
+])
+def test_a_bad_constraint_is_a_400_naming_it(server, model_id, body, param):
+    status, answer = post(server + "/v1/chat/completions", {"model": model_id, "messages": ASK, "max_tokens": 4,
+                                                            **body})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and "\n" not in answer["error"]["message"]
+
+
+def assembled_tool_calls(chunks) -> tuple[list[dict], str]:
+    """The tool calls a stream's deltas assemble to (as the openai client's users do), and the finish reason."""
+    calls, finish = {}, None
+    for chunk in chunks:
+        choice = chunk.choices[0] if chunk.choices else None
+        if choice is None:
+            continue
+        finish = choice.finish_reason or finish
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_returns_arguments_valid_against_its_schema(client, model_id, choice):
+    jsonschema = pytest.importorskip("jsonschema")
+    kwargs = dict(model=model_id, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=80, temperature=0,
+                  parallel_tool_calls=False)
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+    call = reply.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed, finish = assembled_tool_calls(client.chat.completions.create(stream=True, **kwargs))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("get_weather", call.function.arguments)]
+
+
+def test_a_tool_result_fed_back_gets_a_reply(client, model_id):
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    reply = client.chat.completions.create(model=model_id, messages=messages, tools=[WEATHER], max_tokens=30,
+                                           temperature=0).choices[0]
+    assert reply.finish_reason in ("stop", "length", "tool_calls")
+    assert reply.message.content or reply.message.tool_calls
+
+
+def test_tool_choice_none_gives_text(client, model_id):
+    reply = client.chat.completions.create(model=model_id, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=12, temperature=0).choices[0]
+    assert reply.message.tool_calls is None and reply.message.content
