@@ -69,13 +69,19 @@ def mask_times_us(llm, grammar, tokens: list[int]) -> list[float]:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint_path", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    p.add_argument("--preset", default=None, help="random weights in a named shape (presets.py), with --tokenizer")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json for --preset (e.g. SmolLM2's, saved by brisk)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3, help="the figure is their median")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args()
-    llm = brisklm.load(args.checkpoint_path, device=args.device, dtype=args.dtype, quiet=True)
+    llm = brisklm.load(args.checkpoint_path, device=args.device, dtype=args.dtype, quiet=True, preset=args.preset)
+    if args.preset:  # (random weights: timing only; the schemas' outputs are whatever the grammar lets through)
+        from brisklm.tokenizer import load_hf_tokenizer
+        import os
+        llm.tokenizer = load_hf_tokenizer(os.path.dirname(os.path.abspath(args.tokenizer)))
     ids = llm.chat_ids(PROMPT)
     vocab = llm.model.args.vocab_size
     t0 = time.perf_counter()

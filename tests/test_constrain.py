@@ -31,7 +31,8 @@ def test_the_bitmask_layout_is_llguidance_s():
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.5, top_p=0.5),
+                                    SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.5, top_p=0.5),
                                     SamplingParams(temperature=1.0, min_p=0.3)])
 def test_masked_sampling_picks_only_allowed_tokens_under_every_filter(params):
     torch.manual_seed(0)
@@ -111,8 +112,9 @@ SCHEMAS = [
     {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
                                                "minItems": 1, "maxItems": 3}},
      "required": ["tags"], "additionalProperties": False},
-    {"type": "object", "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99},
-                                                                          "y": {"type": "integer", "minimum": -99, "maximum": 99}},
+    {"type": "object", "$defs": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": -99, "maximum": 99},
+        "y": {"type": "integer", "minimum": -99, "maximum": 99}},
                                            "required": ["x", "y"], "additionalProperties": False}},
      "properties": {"start": {"$ref": "#/$defs/point"}, "label": {"type": "string", "maxLength": 10}},
      "required": ["start"], "additionalProperties": False},
@@ -175,8 +177,9 @@ def reference_under_regex(llm, prompt_ids: list[int], pattern: str, n: int) -> l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prompt,pattern", [("Is the sky blue? Answer:", r" ?(yes|no|maybe)(, because [a-z ]{1,30})?\."),
-                                            ("The year and city of the first Olympics:", r"[0-9]{4}, [A-Z][a-z]+")])
+@pytest.mark.parametrize("prompt,pattern", [
+    ("Is the sky blue? Answer:", r" ?(yes|no|maybe)(, because [a-z ]{1,30})?\."),
+    ("The year and city of the first Olympics:", r"[0-9]{4}, [A-Z][a-z]+")])
 def test_greedy_constrained_output_equals_a_plain_python_masked_reference(smol_llm, prompt, pattern):
     ids = smol_llm.tokenizer.encode(prompt)
     expected = reference_under_regex(smol_llm, ids, pattern, 12)
