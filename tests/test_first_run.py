@@ -123,7 +123,7 @@ def test_quantize_says_why_its_output_outgrows_a_4_bit_source(smollm2_gguf, tmp_
     out = tmp_path / "int8"
     done = brisk("quantize", "--checkpoint_path", smollm2_gguf, "--mode", "int8", "--output", str(out))
     assert done.returncode == 0, done.stderr
-    assert "is larger than its source" in done.stderr and "fewer bits a weight" in done.stderr
+    assert "is larger than its source" in done.stderr and "quantized already (re-quantizing them to int8" in done.stderr
     # stderr is a pipe here: the long steps still print a start and an end with the time taken
     for line in ("Reading", "quantizing to int8 tensor by tensor and writing", "Read, quantized and written in"):
         assert line in done.stderr, line
