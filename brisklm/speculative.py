@@ -51,17 +51,35 @@ class NgramDrafter:
 
     def propose(self, history: list[int], k: int, params: SamplingParams, run=None):
         """Up to k tokens following history, and None (the proposal is one-hot)."""
-        if history is not self.history or len(history) < self.indexed:  # another run: index anew
+        return self._lookup(history, len(history), k), None
+
+    def _lookup(self, history: list[int], end: int, k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix of history[:end] seen before in it."""
+        if history is not self.history or end < self.indexed:  # another run: index anew
             self.history, self.indexed, self.latest = history, 0, {}
-        for end in range(self.indexed, len(history) - 1):  # n-grams ending there, continued at end + 1
-            for n in range(1, min(self.max_n, end + 1) + 1):
-                self.latest[tuple(history[end - n + 1:end + 1])] = end + 1
-        self.indexed = max(self.indexed, len(history) - 1)
-        for n in range(min(self.max_n, len(history) - 1), 0, -1):  # the longest suffix seen before
-            at = self.latest.get(tuple(history[-n:]))
+        for last in range(self.indexed, end - 1):  # n-grams ending there, continued at last + 1
+            for n in range(1, min(self.max_n, last + 1) + 1):
+                self.latest[tuple(history[last - n + 1:last + 1])] = last + 1
+        self.indexed = max(self.indexed, end - 1)
+        for n in range(min(self.max_n, end - 1), 0, -1):  # the longest suffix seen before
+            at = self.latest.get(tuple(history[end - n:end]))
             if at is not None:
-                return history[at:at + k], None
-        return [], None
+                return history[at:min(at + k, end)]
+        return []
+
+    def judge(self, history: list[int], first: int, k: int) -> tuple[int, int]:
+        """(drafts judged, drafts kept) had k drafts been proposed before each of
+        history[first:] (tokens plain decoding made): the chance of keeping a
+        draft, learnt for free while decoding plainly. As in a verify step, a
+        proposal's first wrong draft ends its judging."""
+        judged = kept = 0
+        for at in range(first, len(history)):
+            drafts = self._lookup(history, at, k)
+            right = next((i for i, (d, t) in enumerate(zip(drafts, history[at:])) if d != t),
+                         min(len(drafts), len(history) - at))
+            kept += right
+            judged += right + (right < len(drafts) and at + right < len(history))
+        return judged, kept
 
     def kept(self, length: int):
         pass
@@ -153,7 +171,7 @@ class DraftPolicy:
     chance of keeping a draft this run's: text decides it.
 
     Each run starts with one draft (a cheap first look at the chance), and
-    measures a plain step if no run has. Drafts that keep being rejected
+    measures a run of plain steps if no run has. Drafts that keep being rejected
     drive k to 0, and the run decodes as plainly as without a drafter (in
     runs of plain steps queued ahead, as plain decoding's loop does: on a
     GPU a step that waits for the host costs that wait too), but for a probe
@@ -161,12 +179,27 @@ class DraftPolicy:
     one: twice as long each time (from 16 steps to 256), and at least as
     long as keeps the probes' extra cost under PROBE_SHARE of the time (a
     self-draft's probe on a small launch-bound model costs 2.5 plain steps).
-    So speculating on text where it cannot pay costs a few percent at most."""
+    So speculating on text where it cannot pay costs a few percent at most.
+
+    A drafter that judges its drafts for free (prompt lookup: NgramDrafter.judge
+    asks what it would have proposed before each token plain decoding made)
+    needs no probes: the run starts plain, the chance is learnt from the plain
+    tokens, and drafting starts only where the measured step costs say it
+    pays; between choices the plain runs grow from 16 to 128 steps."""
 
     PROBE_SHARE = 0.02
+    FIRST_PLAIN_RUN = 8  # plain steps that measure a plain step's cost
+    JUDGED_RUN = 16  # plain steps between choices, where the drafter judges its drafts for free
+    ONE_OFF = 4  # a first drafting step dearer than this many plain ones is measured again
 
-    def __init__(self, max_k: int, decay: float = 0.95, costs: dict[int, float] | None = None):
+    def __init__(self, max_k: int, decay: float = 0.95, costs: dict[int, float] | None = None,
+                 free_judging: bool = False):
         self.max_k, self.decay = max_k, decay
+        # free_judging: the drafter judges its drafts against plain decoding's tokens
+        # (NgramDrafter.judge) at no device cost, so no probe is needed to learn the chance
+        self.free_judging = free_judging
+        self.doubted = set()  # drafts a step whose first, one-off cost was not kept
+        self.judged_run = self.JUDGED_RUN // 2  # the next run of judged plain steps, halved
         self.cost = {} if costs is None else costs  # drafts proposed -> seconds a step (moving average)
         # Drafts kept and drafts judged (the first rejection ends a step's
         # judging), discounted by `decay` a step. The chance that a draft is
@@ -203,11 +236,19 @@ class DraftPolicy:
         top = min(self.max_k, room)
         if top == 0:
             return 0
+        if self.free_judging and (self.judged == 0 or 0 not in self.cost):  # plain steps first: judged meanwhile
+            self.run = self.FIRST_PLAIN_RUN
+            return 0
         if self.judged == 0 and self.probing:  # the run's first step
             return 1
-        if 0 not in self.cost:
+        if 0 not in self.cost:  # a plain step's cost, measured over a run queued ahead as plain decoding's
+            self.run = self.FIRST_PLAIN_RUN  # (one step alone would count the host's wait for the device)
             return 0
         best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+        if self.free_judging:  # no probes: the plain steps are judged, in runs that grow while drafts
+            self.judged_run = 2 * self.judged_run if best == 0 else self.JUDGED_RUN // 2  # would not pay
+            self.run = min(self.judged_run, 8 * self.JUDGED_RUN)  # (each run ends in a wait for the host)
+            return best
         if best == 0:
             wait = self.wait
             if wait and 1 in self.cost:  # (a probe costs this many plain steps more than one)
@@ -220,10 +261,16 @@ class DraftPolicy:
 
     def plain_steps(self) -> int:
         """Where choose() gave 0: the plain steps to take before asking again
-        (until the next probe; one while a plain step's cost is first
-        measured), run as plain decoding runs them, each queued before the
-        token it follows is read."""
+        (until the next probe; FIRST_PLAIN_RUN while a plain step's cost is
+        first measured), run as plain decoding runs them, each queued before
+        the token it follows is read."""
         return self.run
+
+    def observe(self, judged: int, kept: int):
+        """Drafts judged and kept without being proposed (NgramDrafter.judge)."""
+        weight = self.decay ** max(judged, 1)
+        self.kept_count = weight * self.kept_count + kept
+        self.judged = weight * self.judged + judged
 
     def update(self, proposed: int, kept: int, seconds: float, steps: int = 1):
         """After `steps` steps (more than one: plain ones) with `proposed`
@@ -231,10 +278,12 @@ class DraftPolicy:
         and the seconds they took."""
         seconds /= steps
         old = self.cost.get(proposed)
-        # A step slower than its cost so far moves it by a fifth (one far slower
-        # is mostly one-off work: a compile, a CUDA graph's recording); a faster
-        # one is its cost from now on.
-        self.cost[proposed] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
+        one_off = (old is None and proposed and self.free_judging and proposed not in self.doubted
+                   and seconds > self.ONE_OFF * self.cost.get(0, seconds))
+        if one_off:  # (mostly one-off work, a CUDA graph's capture: with no probes to correct it,
+            self.doubted.add(proposed)  # kept as the cost it would stop drafting for good)
+        else:  # a step slower than its cost so far moves it by a fifth; a faster one is its cost now
+            self.cost[proposed] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
         if not proposed:
             self.since_probe += steps
             return

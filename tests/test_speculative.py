@@ -273,6 +273,32 @@ def test_the_draft_policy_stops_drafting_where_drafts_are_rejected_and_probes_ra
     assert sum(k > 0 for k in chosen) == 2 and rate > 0.97, (chosen, rate)
 
 
+def test_a_drafter_that_judges_for_free_never_probes_where_drafts_fail_and_drafts_where_they_pass():
+    """Prompt lookup's drafts are judged against plain decoding's own tokens
+    (NgramDrafter.judge): on text it cannot predict no verify step is spent at
+    all; on text it can, drafting starts after the first plain run."""
+    costs = {0: 1.0, 1: 1.3, 4: 1.5}  # (measured in an earlier run: a verify step waits for the host)
+    policy, chosen = DraftPolicy(4, costs=dict(costs), free_judging=True), []
+    while len(chosen) < 400:
+        k = policy.choose(room=100)
+        assert k == 0
+        run = policy.plain_steps()
+        policy.update(0, 0, run * 1.0, steps=run)
+        policy.observe(judged=run, kept=0)  # every draft wrong
+        chosen += [0] * run
+    policy = DraftPolicy(4, costs=dict(costs), free_judging=True)
+    assert policy.choose(room=100) == 0
+    policy.update(0, 0, 8.0, steps=8)
+    policy.observe(judged=32, kept=32)  # every draft right
+    assert policy.choose(room=100) == 4
+
+
+def test_prompt_lookup_judges_its_drafts_as_proposing_them_would():
+    history = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 9]
+    # from position 4: no proposal, then 4, 4, 4 kept, 3 and a rejection, 2 and one, 1 and one, one
+    assert NgramDrafter().judge(history, 4, 4) == (22, 18)
+
+
 def test_the_draft_policy_keeps_its_step_costs_across_runs():
     costs = {}
     run_policy(DraftPolicy(4, costs=costs), 1.0, lambda k: 1.0 + 0.05 * k, 20)
@@ -287,13 +313,15 @@ def test_a_step_slowed_by_a_compile_does_not_keep_the_policy_from_drafting():
     policy = DraftPolicy(4)
     assert policy.choose(room=100) == 1
     policy.update(1, 1, 500.0)
-    chosen, rate = run_policy(policy, 1.0, lambda k: 1.0 + 0.05 * k, 20)
-    assert chosen[2:] == [4] * 18 and rate > 3.5, chosen
+    chosen, rate = run_policy(policy, 1.0, lambda k: 1.0 + 0.05 * k, 40)
+    first = DraftPolicy.FIRST_PLAIN_RUN  # (a plain step's cost, measured over a run queued ahead)
+    assert chosen[:first] == [0] * first and chosen[first + 1:] == [4] * (39 - first) and rate > 3.5, chosen
 
 
 def test_the_draft_policy_drafts_as_much_as_pays():
-    chosen, rate = run_policy(DraftPolicy(4), 1.0, lambda k: 1.0 + 0.05 * k, 50)  # prompt lookup on a copy
-    assert chosen[2:] == [4] * 48 and rate > 4
+    chosen, rate = run_policy(DraftPolicy(4), 1.0, lambda k: 1.0 + 0.05 * k, 100)  # prompt lookup on a copy
+    first = 1 + DraftPolicy.FIRST_PLAIN_RUN
+    assert chosen[first:] == [4] * (100 - first) and rate > 3.8, (chosen, rate)
     # kept half the time at a moderate price: one or two drafts pay (1.15x, 1.09x), eight do not (0.58x)
     chosen, rate = run_policy(DraftPolicy(8), 0.5, lambda k: 1.0 + 0.3 * k, 400)
     assert rate > 1.05, rate
