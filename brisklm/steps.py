@@ -348,7 +348,15 @@ class ConstrainedSteps:
         self.sampler = replayed(sample_allowed) if graphs else sample_allowed
 
     def prefill(self, ids: list[int], start: int) -> torch.Tensor:
-        """The keys and values of ids into the cache -> the logits (1, V) after the last."""
+        """The keys and values of ids into the cache -> the logits (1, V) after the
+        last. All but the last chunk go through Steps.prefill, in the graphed
+        chunks an unconstrained prompt takes (an eager pass over a new length
+        would wait for its attention's first plan)."""
+        chunk = self.steps.model.decode_kernels.get("prefill_chunk") or PREFILL_BUCKETS[-1]
+        tail = len(ids) % chunk or chunk
+        if len(ids) > tail:
+            self.steps.prefill(ids[:-tail], start, None)
+            ids, start = ids[-tail:], start + len(ids) - tail
         return self.steps.logits(ids, start, last=len(ids) - 1)[0]
 
     def forward(self, token: torch.Tensor, pos: int) -> torch.Tensor:
