@@ -18,9 +18,9 @@ from typing import Iterator
 import torch
 
 from . import chat as chat_templates
-from .errors import BriskError
+from .errors import BriskError, as_user_error
 from .generate import Generator
-from .model import Transformer, build_model, canonical_names, kv_bytes_per_position, random_state_dict
+from .model import Transformer, build_model, cached_prefix, canonical_names, kv_bytes_per_position, random_state_dict
 from .modes import LOAD_MODES, RTN_MODES
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -313,10 +313,8 @@ class LLM:
         constraint = compile_grammar(self.tokenizer, self.model.args.vocab_size, json_schema, regex, grammar)
         if stop_ids is None:
             stop_ids = self.tokenizer.eos_ids if self.tokenizer else ()
-        try:
+        with as_user_error():
             params = SamplingParams(temperature, top_k, top_p, min_p)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
         self.check(prompt_ids, max_new_tokens)
         return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed, self.drafter,
                                      self.draft_tokens, constraint=constraint and constraint.constraint())
@@ -327,10 +325,8 @@ class LLM:
         if prompt_ids and max_new_tokens >= 1 and not self.fits(prompt_ids, max_new_tokens):
             raise BriskError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                              f"KV cache of {self.generator.max_seq_length} tokens; {self.cache_advice()}")
-        try:
+        with as_user_error():
             self.generator.check(prompt_ids, max_new_tokens)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
 
     def cache_advice(self) -> str:
         """What lets a longer request fit: a longer cache, up to the model's context."""
@@ -405,9 +401,7 @@ class LLM:
         if start >= len(ids):
             return [], []
         inputs = ids[:-1]
-        reuse = 0  # (the logits at start - 1 must be computed)
-        while reuse < min(len(gen.cached), start - 1) and gen.cached[reuse] == inputs[reuse]:
-            reuse += 1
+        reuse = cached_prefix(gen.cached, inputs, start - 1)  # (the logits at start - 1 must be computed)
         gen.cached = list(inputs[:reuse])
         with torch.no_grad():
             logits = gen.logits(inputs[reuse:], reuse)[0, start - 1 - reuse:]
@@ -444,11 +438,9 @@ class LLM:
         tok = self.require_tokenizer()
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
-        try:
+        with as_user_error():
             return chat_templates.render(tok.chat_template, messages, add_generation_prompt,
                                          bos_token=bos, eos_token=eos)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The prompt ids of a conversation, rendered by the chat template; a
@@ -456,10 +448,8 @@ class LLM:
         tok = self.require_tokenizer()
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_ids[0]) if tok.eos_ids else ""
-        try:  # (the template already writes any BOS it wants)
+        with as_user_error():  # (the template already writes any BOS it wants)
             text, contents = chat_templates.render_marked(tok.chat_template, messages, bos_token=bos, eos_token=eos)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
         return tok.encode_literal(text, contents)
 
     def chat_stream(self, messages: list[dict], max_new_tokens: int = 256, **kwargs) -> Iterator[str]:
@@ -538,10 +528,8 @@ def gptq_transform(path: str | None, groupsize: int, quiet: bool = True):
     from .checkpoints import read_tokenizer
     from .gptq import GPTQStream, calibration_ids
     from .quantize import check_mode
-    try:
+    with as_user_error():
         check_mode("int4", groupsize)
-    except ValueError as e:
-        raise BriskError(str(e)) from None
     t0 = time.perf_counter()
     return GPTQStream(groupsize, lambda: calibration_ids(read_tokenizer(path)),
                       progress=lambda done, total: log(f"  GPTQ: layer {done} of {total} quantized "
@@ -632,10 +620,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     transform = None
     from .quantize import quantizer, untied
     if quantize in RTN_MODES:  # quantized tensor by tensor as it loads: the dense model never exists whole
-        try:
+        with as_user_error():
             transform = quantizer(quantize, groupsize)
-        except ValueError as e:
-            raise BriskError(str(e)) from None
     elif quantize == "int4-gptq":  # layer by layer as it loads, calibrated on a fixed text
         if preset is not None:
             raise BriskError(f"{preset}: int4-gptq needs a tokenizer for its calibration text (a preset has none)")
@@ -650,10 +636,8 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
         transform = tp.sharder(rank, world, transform)
 
         def shapes(args):  # one rank's model
-            try:
+            with as_user_error():
                 return tp.local_args(args, world)
-            except ValueError as e:
-                raise BriskError(str(e)) from None
     else:
         shapes = lambda args: args  # noqa: E731
     t0 = time.perf_counter()

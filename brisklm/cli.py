@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 
-from .errors import BriskError
+from .errors import BriskError, as_user_error
 from .modes import FILE_MODES, GROUP_SIZES, LOAD_MODES, RTN_MODES
 
 DEFAULT_PROMPT = "Hello, my name is"
@@ -292,10 +292,8 @@ def _sampling(args) -> dict:
 def _check_sampling(args):
     """Bad sampling values fail here, before the model loads."""
     from .sampling import SamplingParams
-    try:
+    with as_user_error():
         SamplingParams(**_sampling(args))
-    except ValueError as e:
-        raise BriskError(str(e)) from None
 
 
 def _peak_memory_gb(device) -> float:
@@ -520,10 +518,8 @@ def cmd_quantize(args):
         if args.mode == "int4-gptq":  # (layer by layer: one layer dense at a time)
             quantize = gptq_transform(source, args.groupsize, quiet=False)
         else:
-            try:
+            with as_user_error():
                 quantize = quantizer(args.mode, args.groupsize)
-            except ValueError as e:
-                raise BriskError(str(e)) from None
         writer, written = NativeWriter(output), {}
 
         def sink(model_args, name, t):  # (the reader keeps what this returns: nothing)

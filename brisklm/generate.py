@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from .model import Transformer
+from .model import Transformer, cached_prefix
 from .sampling import SamplingParams
 from .speculative import DraftPolicy, accept
 from .steps import Steps
@@ -263,11 +263,7 @@ class Generator:
         self.check(prompt_ids, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
-        # Reuse the cached prefix; keep at least one prompt token to prefill.
-        start = 0
-        limit = min(len(self.cached), len(prompt_ids) - 1)
-        while start < limit and self.cached[start] == prompt_ids[start]:
-            start += 1
+        start = cached_prefix(self.cached, prompt_ids, len(prompt_ids) - 1)  # (one token, at least, to prefill)
         self.cached = list(prompt_ids[:start])
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=start,
                                              weight_bytes=self.stats.weight_bytes)

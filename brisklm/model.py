@@ -255,6 +255,14 @@ def kv_bytes_per_position(args: ModelArgs, dtype, int8=False) -> int:
     return 2 * args.num_hidden_layers * args.num_key_value_heads * per_head
 
 
+def cached_prefix(cached: list[int], ids: list[int], limit: int) -> int:
+    """How many leading tokens of ids a cache holding `cached` has already, at most limit."""
+    n, limit = 0, min(limit, len(cached), len(ids))
+    while n < limit and cached[n] == ids[n]:
+        n += 1
+    return n
+
+
 class KVCache(nn.Module):
     """Preallocated keys and values, (B, n_kv_heads, max_seq_length, head_dim) each.
 

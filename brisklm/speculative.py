@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import Transformer
+from .model import Transformer, cached_prefix
 from .sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -104,13 +104,8 @@ class ModelDrafter:
         their proposal distributions (k, V) when sampling (None when greedy).
         run: Generator.logits (compiled or replayed steps), which takes ids
         as a list or as a (1,) tensor on the device."""
-        start = 0
-        if self.shares_cache:
-            start = len(history) - 1
-        else:  # catch up from the longest prefix it holds
-            limit = min(len(self.cached), len(history) - 1)
-            while start < limit and self.cached[start] == history[start]:
-                start += 1
+        # (a separate draft model catches up from the longest prefix it holds)
+        start = len(history) - 1 if self.shares_cache else cached_prefix(self.cached, history, len(history) - 1)
         feed = history[start:]
         drafts, probs = [], []
         for _ in range(k):  # each draft fed to the next step on the device: no host read until the last
