@@ -427,7 +427,7 @@ class LLM:
 
     def stream_ids_as_text(self, ids, max_new_tokens, stop=None, **sampling) -> Iterator[str]:
         tokens = self.stream_ids(ids, max_new_tokens, **sampling)
-        return _text_pieces(self.require_tokenizer(), tokens, stop)
+        return text_pieces(self.require_tokenizer(), tokens, stop)
 
     def generate(self, prompt: str, max_new_tokens: int = 256, **kwargs) -> str:
         """The continuation of prompt (not including the prompt)."""
@@ -482,7 +482,7 @@ def _first_stop(text: str, stops: list[str]) -> int:
     return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
-def _text_pieces(tok: Tokenizer, tokens: Iterator[int], stop, ends=None) -> Iterator[str]:
+def text_pieces(tok: Tokenizer, tokens: Iterator[int], stop, ends=None) -> Iterator[str]:
     """Token ids -> text pieces, ending at an end token (ends: the tokenizer's
     by default) or before a stop string."""
     stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]

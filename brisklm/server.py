@@ -45,7 +45,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import chat as chat_format
-from .api import LLM, _text_pieces
+from .api import LLM, text_pieces
 from .errors import BriskError
 from .sampling import SamplingParams, sample
 
@@ -512,7 +512,7 @@ class Engine:
                 released += 1
             return out
 
-        pieces = _text_pieces(self.llm.tokenizer, counted(), stop, ends=eos)
+        pieces = text_pieces(self.llm.tokenizer, counted(), stop, ends=eos)
         try:
             for piece in pieces:
                 if cancelled() or self.closing.is_set():
