@@ -14,11 +14,12 @@ from .errors import BriskError, as_user_error
 from .modes import FILE_MODES, GROUP_SIZES, LOAD_MODES, RTN_MODES
 
 DEFAULT_PROMPT = "Hello, my name is"
+CHECKPOINT_HELP = "HF folder, GGUF file, native folder or hub repo id (default: bundled SmolLM2-135M-Instruct)"
 
 
 def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
-                   help="HF folder, GGUF file or native folder (default: bundled SmolLM2-135M-Instruct)")
+                   help=CHECKPOINT_HELP)
     p.add_argument("--preset", default=None,
                    help="a named shape with random weights instead of a checkpoint (see presets.py)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("convert", help="write a checkpoint as a native brisk-lm folder")
     v.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
-                   help="HF folder, GGUF file or native folder (default: bundled SmolLM2-135M-Instruct)")
+                   help=CHECKPOINT_HELP)
     v.add_argument("--output", required=True, help="the folder to write (refused if it exists, unless --force)")
     v.add_argument("--dtype", default="bfloat16", help="dtype of the dense tensors (default: bfloat16)")
     v.add_argument("--dequantize", action="store_true",
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="write a weight-only quantized native checkpoint")
     q.add_argument("--checkpoint_path", "--model", dest="checkpoint_path", default=None,
-                   help="HF folder, GGUF file or native folder (default: bundled SmolLM2-135M-Instruct)")
+                   help=CHECKPOINT_HELP)
     q.add_argument("--mode", choices=FILE_MODES, required=True,
                    help="int8, q8_0, int4, fp8 (round to nearest), int4-gptq (calibrated), gguf (a GGUF "
                         "file's blocks kept as they are)")
@@ -330,10 +331,10 @@ def stdin_has_input() -> bool:
     import select
     import stat
     try:
-        mode = os.fstat(sys.stdin.fileno()).st_mode
-        if stat.S_ISREG(mode):
-            return os.fstat(sys.stdin.fileno()).st_size > 0
-        return stat.S_ISFIFO(mode) and bool(select.select([sys.stdin], [], [], 0)[0])
+        info = os.fstat(sys.stdin.fileno())
+        if stat.S_ISREG(info.st_mode):
+            return info.st_size > 0
+        return stat.S_ISFIFO(info.st_mode) and bool(select.select([sys.stdin], [], [], 0)[0])
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -13,6 +13,7 @@ reuses the cache instead of re-reading the history).
 """
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from dataclasses import dataclass
@@ -216,6 +217,8 @@ class Generator:
             host = token.to("cpu", non_blocking=True)
             if ready is not None:
                 ready.record()
+            elif t_decode is None:  # (as in _run: on a CPU the token is ready now, the forward runs below)
+                t_decode = time.perf_counter()
             if i + 1 < max_new_tokens:  # queue the next forward before reading this token
                 logits = steps.forward(token, pos + i)
             if ready is not None:
@@ -223,6 +226,7 @@ class Generator:
             value = int(host.item())
             if t_decode is None:
                 t_decode = time.perf_counter()
+            if i == 0:
                 stats.prefill_s = t_decode - t0
             if i + 1 < max_new_tokens:  # (its keys are in the cache)
                 self.cached.append(value)
@@ -236,13 +240,11 @@ class Generator:
         if t_decode is not None and stats.new_tokens > 1:
             stats.decode_s = time.perf_counter() - t_decode
 
-    @property
+    @functools.cached_property
     def constrained_steps(self):
         """The steps of _constrained (steps.ConstrainedSteps), made at first use."""
-        if getattr(self, "_constrained_steps", None) is None:
-            from .steps import ConstrainedSteps
-            self._constrained_steps = ConstrainedSteps(self.steps)
-        return self._constrained_steps
+        from .steps import ConstrainedSteps
+        return ConstrainedSteps(self.steps)
 
     @torch.no_grad()  # (as generation runs it: a compiled step guards on grad mode)
     def logits(self, ids, start: int, model: Transformer | None = None, last: int | None = None,

@@ -229,6 +229,11 @@ class Steps:
         self.sampler = replayed(sample) if graphs else sample
 
     @property
+    def prefill_chunk(self) -> int:
+        """The tokens a graphed chunk of a long prompt holds (fusion.fuse_for_decode may choose fewer)."""
+        return self.model.decode_kernels.get("prefill_chunk") or PREFILL_BUCKETS[-1]
+
+    @property
     def eager(self) -> bool:
         """Whether a decode step needs the filled length from the host (kv_len)."""
         return self.whole is None and not self.graphed
@@ -263,7 +268,7 @@ class Steps:
         prompt longer than the largest bucket in chunks of it (or of the
         chunk fusion.fuse_for_decode chose), so that no length runs a shape
         for the first time."""
-        chunk = self.model.decode_kernels.get("prefill_chunk") or PREFILL_BUCKETS[-1]
+        chunk = self.prefill_chunk
         while self.graphed_prefill is not None and len(ids) > chunk and not self.moe:  # (MoE: eager, whole)
             self.prefill(ids[:chunk], start, None)
             ids, start = ids[chunk:], start + chunk
@@ -352,7 +357,7 @@ class ConstrainedSteps:
         last. All but the last chunk go through Steps.prefill, in the graphed
         chunks an unconstrained prompt takes (an eager pass over a new length
         would wait for its attention's first plan)."""
-        chunk = self.steps.model.decode_kernels.get("prefill_chunk") or PREFILL_BUCKETS[-1]
+        chunk = self.steps.prefill_chunk
         tail = len(ids) % chunk or chunk
         if len(ids) > tail:
             self.steps.prefill(ids[:-tail], start, None)
