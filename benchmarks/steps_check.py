@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 
 def main():
@@ -20,18 +21,25 @@ def main():
     opts = p.parse_args()
     import brisklm
     from brisklm.bench import _prompt
+    from brisklm.repl import while_waiting
     ways = {"block-compiled, graphed": dict(compile=True), "uncompiled, graphed": dict(compile=False),
+            "block-compiled, prefill graphs captured between turns (brisk chat)": dict(compile=True, chat=True),
             "op by op": dict(compile=False, graphs="0")}
     outputs = {}
     for way, kw in ways.items():
         os.environ["BRISKLM_CUDA_GRAPHS"] = kw.pop("graphs", "1")
+        chat = kw.pop("chat", False)
         llm = brisklm.load(preset=opts.preset, device="cuda", dtype="float32", max_seq_length=2048,
-                           allow_long_context=True, **kw)  # (a tiny preset's context is shorter)
+                           allow_long_context=True, warm_up=not chat, **kw)  # (a tiny preset's context is shorter)
+        if chat:
+            llm.warm_up(prompts=[])
+        between = (lambda: while_waiting(llm, lambda: time.sleep(0.2))) if chat else (lambda: None)
         vocab, out = llm.model.args.vocab_size, []
         for n in (1, 5, 16, 17, 100, 300):
             ids = _prompt(n, vocab, seed=n)
             llm.generator.reset()
             first = list(llm.stream_ids(ids, opts.tokens, stop_ids=()))
+            between()
             second = list(llm.stream_ids(ids + first + _prompt(7, vocab, seed=99), opts.tokens, stop_ids=()))
             out.append((first, second, llm.stats.reused_tokens))
         outputs[way] = out

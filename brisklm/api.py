@@ -339,12 +339,15 @@ class LLM:
         """Whether the prompt and max_new_tokens fit the KV cache."""
         return len(prompt_ids) + max_new_tokens <= self.generator.max_seq_length
 
-    def warm_up(self, prompt_ids: list[int] | None = None, quiet: bool = True) -> float:
-        """Compile and capture every step a request can need (steps.Steps.warm_up:
+    def warm_up(self, prompt_ids: list[int] | None = None, quiet: bool = True, prompts: list[int] | None = None,
+                constrained: bool | None = None) -> float:
+        """Compile and capture the steps requests can need (steps.Steps.warm_up:
         greedy and sampled decoding, every prefill bucket; with speculation, its
-        verify and draft steps on prompt_ids), saying what it costs first, so
-        that no request waits for the compiler. Returns the seconds taken (0
-        when there is nothing to prepare)."""
+        verify and draft steps on prompt_ids; constrained decoding's), saying
+        what it costs first, so that no request waits for the compiler. With
+        `prompts` (prompt lengths), only their prefill graphs, and constrained
+        decoding's steps only if asked: the rest waits for warm_pending.
+        Returns the seconds taken (0 when there is nothing to prepare)."""
         gen = self.generator
         steps = gen.steps
         if steps.warm or not (steps.compiled or steps.graphed or steps.graphed_prefill):
@@ -362,14 +365,28 @@ class LLM:
         if speculative:
             start += "; then speculative decoding's verify and draft steps"
         t0 = time.perf_counter()
+        variants = [None, SamplingParams(temperature=1.0).on(gen.device)]
         with step(start, "Ready", quiet), quiet_compiler(), torch.no_grad():
-            graphs = steps.warm_up([None, SamplingParams(temperature=1.0).on(gen.device)])
+            steps.warm_up(variants, prompts)
+            if constrained or (constrained is None and prompts is None):
+                gen.constrained_steps.warm_up(variants)
             if speculative:
                 self.warm_speculative(prompt_ids or [0])
         gen.reset()
         steps.warm = True
+        graphs = steps.graph_count()
         log(f"  ({graphs} CUDA graphs captured)", quiet or not graphs)
         return time.perf_counter() - t0
+
+    def warm_pending(self, stop=lambda: False) -> bool:
+        """Capture the prefill graphs that warm_up(prompts=...) left, until
+        stop() says so (another thread may call this while the process
+        waits for input, never while it generates). True when none is left."""
+        gen = self.generator
+        if gen.device.type == "cuda":
+            torch.cuda.set_device(gen.device)  # (a thread's own setting)
+        with torch.no_grad():
+            return gen.steps.warm_pending(stop, room=gen.max_seq_length - len(gen.cached))
 
     def warm_speculative(self, prompt_ids: list[int], drafter=None, draft_tokens: int | None = None):
         """Compile speculative decoding's steps for `drafter` (default: this

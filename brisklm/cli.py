@@ -366,7 +366,8 @@ def cmd_generate(args):
     if args.json:
         show = lambda piece: None  # noqa: E731
     llm.check(prompt_ids, args.max_new_tokens)  # before any compile
-    llm.warm_up(prompt_ids, quiet=quiet)
+    # (this prompt's graphs only: a one-shot run needs no others)
+    llm.warm_up(prompt_ids, quiet=quiet, prompts=[len(prompt_ids)], constrained=bool(constraint))
     device = llm.generator.device
     rates, samples = [], []
     for i in range(args.num_samples):
@@ -426,7 +427,10 @@ def cmd_chat(args):
     llm = _load(args)
     llm.require_tokenizer()  # no tokenizer (a preset): say so now, not after the first message
     start = [{"role": "system", "content": args.system}] if args.system else []
-    llm.warm_up(llm.chat_ids(start + [{"role": "user", "content": "Hi"}]), quiet=False)
+    # (the prefill graphs of longer prompts are captured while the user types: repl.chat)
+    import torch.distributed as dist
+    llm.warm_up(llm.chat_ids(start + [{"role": "user", "content": "Hi"}]), quiet=False,
+                prompts=None if dist.is_initialized() else [])
     chat(llm, args.system, args.max_new_tokens, args.stop, args.seed, _sampling(args),
          history_file=os.path.join(cache_dir(), "chat_history"))
 
@@ -784,6 +788,8 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # (the output's reader left, e.g. `| head`: as a shell's tools end)
+        return 141
     except Exception as e:  # (torch is imported lazily: matched by name)
         if type(e).__name__ != "OutOfMemoryError":
             raise
@@ -793,5 +799,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def entry():
+    """The `brisk` command: main(), then an exit that skips the interpreter's
+    teardown (the compiler's worker processes, the CUDA context: seconds
+    after the last token), once the output is flushed."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # (a reader that left, e.g. `| head`)
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

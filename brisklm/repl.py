@@ -267,6 +267,33 @@ class Session:
             f"{s.reused_tokens}/{s.prompt_tokens} prompt tokens from the cache]")
 
 
+def while_waiting(llm, read):
+    """read(), while another thread captures the prefill graphs that
+    LLM.warm_up left (none under torchrun, whose ranks capture together):
+    the wait for the user pays for them, and the capture in progress ends
+    before read()'s value goes back to be generated from."""
+    import threading
+
+    import torch.distributed as dist
+    if dist.is_initialized() or not llm.generator.steps.pending:
+        return read()
+    done = threading.Event()
+
+    def warm():
+        try:
+            llm.warm_pending(done.is_set)
+        except Exception:  # (a graph not captured now is captured at its first use)
+            pass
+
+    warmer = threading.Thread(target=warm, daemon=True)
+    warmer.start()
+    try:
+        return read()
+    finally:
+        done.set()
+        warmer.join()
+
+
 def chat(llm, system: str | None = None, max_new_tokens: int = 512, stop=None, seed=None, sampling=None,
          history_file: str | None = None):
     """Talk with llm until the user leaves."""
@@ -277,7 +304,7 @@ def chat(llm, system: str | None = None, max_new_tokens: int = 512, stop=None, s
     log(f"Chat with the model. /help lists the commands; Ctrl-C stops a reply, Ctrl-D or /exit leaves; "
         f"{BLOCK} begins a message of several lines.")
     while True:
-        got = shared(reader.message if reader else lambda: None)
+        got = shared(lambda: while_waiting(llm, reader.message) if reader else None)
         if got is None:
             print(file=sys.stderr)
             return

@@ -197,6 +197,7 @@ class Steps:
         self.graphed = graphs and bool(self.kernel_tokens)  # the decode step replays a graph of ours
         self.compiled = compile
         self.warm = False  # whether warm_up has run
+        self.pending = []  # prefill shapes warm_up left to warm_pending
         self.block = self.whole = self.rows = self.block_mask = None
         # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
         model.prepare(device, compiled=compile)
@@ -299,33 +300,75 @@ class Steps:
             return out[:, :n].clone() if last is None else out[:, last:last + 1].clone()
         new, pos, kv_len, graphed = self._padded(ids, start, model.max_seq_length, self.graphed_forward)
         at = None if last is None else torch.tensor([last], device=self.device)
-        out = (self.graphed_forward if graphed else forward)(model, new, pos, kv_len=kv_len, last=at, depth=depth)
+        more = {} if depth is None else {"depth": depth}  # (so that a prefill's graphs serve it: one key)
+        out = (self.graphed_forward if graphed else forward)(model, new, pos, kv_len=kv_len, last=at, **more)
         out = out if last is not None else out[:, :len(ids)]
         return out.clone() if graphed else out
 
-    def warm_up(self, variants) -> int:
-        """Compile and capture every step a request can need, for each of the
+    def warm_up(self, variants, prompts=None) -> int:
+        """Compile and capture the steps requests can need, for each of the
         sampling settings' variants (SamplingParams.on: None and one tensor
-        cover all): the decode step, and on CUDA the prefill graph of every
-        bucket and key length. Writes the cache; the caller forgets it.
+        cover all): the decode step, and on CUDA the prefill graphs of every
+        bucket and key length, or only those of `prompts` (lengths of prompts
+        from an empty cache) with the rest left in `pending` (warm_pending).
         Returns the number of graphs captured."""
-        token, pos = torch.zeros(1, dtype=torch.long, device=self.device), torch.zeros(1, dtype=torch.long,
-                                                                                     device=self.device)
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
         for settings in variants:
             for _ in range(3):  # (compiled whole: a cudagraph tree records at its second run)
-                self.decode(token, pos, settings, kv_len=1)
+                self.decode(token, self._tail(1), settings, kv_len=self.max_seq_length)
         if self.graphed_prefill is not None:
-            for bucket, kv_len in prefill_shapes(self.max_seq_length, self.kernel_tokens, self.largest_graph):
-                first = (kv_len or bucket) - bucket
-                ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-                self.graphed_prefill(self.model, ids, torch.arange(first, first + bucket, device=self.device),
-                                     kv_len=kv_len, last=torch.zeros(1, dtype=torch.long, device=self.device))
+            shapes = prefill_shapes(self.max_seq_length, self.kernel_tokens, self.largest_graph)
+            needed = shapes if prompts is None else self.shapes_of(prompts)
+            self.pending = sorted((s for s in shapes if s not in needed), key=lambda s: (s[1] or s[0], s[0]))
+            for shape in needed:
+                self._capture_prefill(*shape)
             logits = torch.zeros(1, self.model.args.vocab_size, device=self.device)
             for settings in variants:
                 self.sampler(logits, settings)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return sum(len(getattr(f, "graphs", ())) for f in (self._decode, self.graphed_forward, self.sampler))
+        return self.graph_count()
+
+    def graph_count(self) -> int:
+        return sum(len(getattr(f, "graphs", ())) for f in (self._decode, self.graphed_forward, self.graphed_rows,
+                                                          self.sampler))
+
+    def shapes_of(self, prompts) -> list[tuple[int, int | None]]:
+        """The prefill graphs that prompts of these lengths, from an empty cache, replay."""
+        shapes, chunk = [], self.prefill_chunk
+        for n in prompts:
+            start = 0
+            while len(range(start, n)) > chunk and not self.moe:
+                shapes.append(prefill_shape(start, chunk, self.max_seq_length, self.kernel_tokens, self.largest_graph))
+                start += chunk
+            shapes.append(prefill_shape(start, n - start, self.max_seq_length, self.kernel_tokens,
+                                        self.largest_graph))
+        return [s for s in dict.fromkeys(shapes) if s is not None]
+
+    def _tail(self, n: int) -> torch.Tensor:
+        """Positions for a warm-up run: the cache's last n, which no cached
+        conversation reaches before it writes them itself."""
+        return torch.arange(self.max_seq_length - n, self.max_seq_length, device=self.device)
+
+    def _capture_prefill(self, bucket: int, kv_len: int | None):
+        ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+        self.graphed_prefill(self.model, ids, self._tail(bucket), kv_len=kv_len,
+                             last=torch.zeros(1, dtype=torch.long, device=self.device))
+
+    def warm_pending(self, stop=lambda: False, room: int | None = None) -> bool:
+        """Capture the prefill graphs warm_up left pending, most used first,
+        until stop() says so; True when none is left. A capture's run writes
+        the cache's last positions: with `room` (the free positions after a
+        cached conversation), only shapes that fit in it."""
+        for shape in list(self.pending):
+            if stop():
+                break
+            if room is None or shape[0] <= room:
+                self.pending.remove(shape)
+                self._capture_prefill(*shape)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return not self.pending
 
     def warm_speculative(self, rows: int, prompt_ids: list[int], draft=None, depth=None):
         """Compile (and capture) the verify step of `rows` tokens and a draft's
@@ -351,6 +394,18 @@ class ConstrainedSteps:
         graphs = steps.device.type == "cuda" and os.environ.get("BRISKLM_CUDA_GRAPHS") != "0"
         self.graphed = graphs
         self.sampler = replayed(sample_allowed) if graphs else sample_allowed
+
+    def warm_up(self, variants):
+        """Capture the one-token forward and the masked sampling, for each of
+        the sampling settings' variants (the prefill shares Steps' graphs)."""
+        steps, vocab = self.steps, self.steps.model.args.vocab_size
+        token = torch.zeros(1, dtype=torch.long, device=steps.device)
+        for _ in range(3):  # (compiled, warmed, recorded)
+            self.forward(token, steps.max_seq_length - 1)
+        logits = torch.zeros(1, vocab, device=steps.device)
+        bits = torch.full(((vocab + 31) // 32,), -1, dtype=torch.int32, device=steps.device)
+        for settings in variants:
+            self.sample(logits, settings, bits)
 
     def prefill(self, ids: list[int], start: int) -> torch.Tensor:
         """The keys and values of ids into the cache -> the logits (1, V) after the

@@ -60,3 +60,9 @@ def test_no_request_compiles_or_captures_after_the_start(tmp_path):
     result = json.loads(out.read_text())
     assert result["compiles_after_start"] == 0, result["requests"]
     assert all(r["graphs_captured"] == 0 for r in result["requests"]), result["requests"]
+
+
+def test_every_way_of_running_a_step_gives_the_same_tokens():
+    """Block-compiled, uncompiled and op-by-op steps, and the prefill graphs
+    captured between turns as brisk chat does (steps_check.py)."""
+    assert "all the same" in run_script("steps_check.py")

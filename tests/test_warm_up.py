@@ -1,0 +1,105 @@
+"""Which prefill graphs a warm-up captures, and that capturing the rest
+between turns (warm_pending) leaves a conversation's cache as it was.
+
+CUDA graphs need a GPU; here the graphed prefill is the plain forward that
+records the shape each call would replay (the key `steps.replayed` keys its
+graphs by), so the shapes and the cache writes are the real ones."""
+import torch
+
+from brisklm.generate import Generator
+from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.sampling import SamplingParams
+from brisklm.steps import forward, prefill_shapes
+
+ARGS = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048)
+GREEDY = SamplingParams()
+
+
+def tiny_model():
+    return build_model(ARGS, random_state_dict(ARGS, torch.float32, seed=0, std=0.3))
+
+
+def recording(steps) -> list:
+    """Make steps' graphed prefill the plain forward, noting each call's (shape, first position)."""
+    seen = []
+
+    def run(model, ids, pos, kv_len=None, last=None):
+        seen.append(((ids.shape[1], kv_len), int(pos[0])))
+        return forward(model, ids, pos, kv_len=kv_len, last=last)
+
+    steps.graphed_prefill = run
+    return seen
+
+
+def test_shapes_of_a_prompt_are_those_its_prefill_replays():
+    for kernel_tokens in (0, 16):
+        gen = Generator(tiny_model(), 1024)
+        gen.steps.kernel_tokens = kernel_tokens
+        seen = recording(gen.steps)
+        for n in (1, 5, 16, 17, 64, 200, 256, 257, 600, 1000):
+            seen.clear()
+            gen.reset()
+            gen.steps.prefill([i % 60 + 1 for i in range(n)], 0, None)
+            assert list(dict.fromkeys(shape for shape, _ in seen)) == gen.steps.shapes_of([n]), (kernel_tokens, n)
+
+
+def test_warm_up_for_a_prompt_leaves_the_rest_pending():
+    gen = Generator(tiny_model(), 512)
+    seen = recording(gen.steps)
+    gen.steps.warm_up([None], prompts=[300])
+    every = prefill_shapes(512)
+    assert [shape for shape, _ in seen] == gen.steps.shapes_of([300]) == [(256, 256), (64, 512)]
+    assert sorted(gen.steps.pending) == sorted(set(every) - {(256, 256), (64, 512)})
+    assert all(first == 512 - bucket for (bucket, _), first in seen)  # the cache's last positions
+
+    seen.clear()
+    assert not gen.steps.warm_pending(stop=lambda: len(seen) == 3)
+    assert len(seen) == 3 and [s for s, _ in seen] == sorted([s for s, _ in seen], key=lambda s: s[1] or s[0])
+    assert not gen.steps.warm_pending(room=20)  # (a bucket of 32 would write where the conversation is)
+    assert all(bucket <= 20 for (bucket, _), _ in seen[3:]) and len(gen.steps.pending) > 0
+    assert gen.steps.warm_pending() and not gen.steps.pending
+    assert sorted({s for s, _ in seen} | {(256, 256), (64, 512)}) == sorted(every)
+
+
+def test_capturing_between_turns_changes_no_reply():
+    """Two turns of a conversation, the second reusing the first's cache,
+    give the same tokens with every pending graph captured between them."""
+    def conversation(warm_between: bool) -> list[int]:
+        gen = Generator(tiny_model(), 512)
+        recording(gen.steps)
+        gen.steps.warm_up([None], prompts=[])
+        first = [3, 1, 4, 1, 5, 9, 2, 6]
+        reply = list(gen.tokens(first, 12, GREEDY))
+        if warm_between:
+            assert gen.steps.warm_pending(room=512 - len(gen.cached))
+        second = first + reply + [7, 7, 8, 9, 10]
+        more = list(gen.tokens(second, 12, GREEDY))
+        assert gen.stats.reused_tokens >= len(first) + len(reply) - 1
+        return reply + more
+
+    assert conversation(True) == conversation(False)
+
+
+def test_chat_captures_while_the_user_types_and_stops_for_the_reply():
+    """repl.while_waiting: the pending graphs are captured in another thread
+    while read() waits, and the capture stops before read()'s value returns."""
+    import threading
+    from brisklm.api import LLM
+    from brisklm.repl import while_waiting
+    llm = LLM(tiny_model(), None, max_seq_length=512)
+    seen = recording(llm.generator.steps)
+    llm.generator.steps.warm_up([None], prompts=[])
+    captured = threading.Event()
+
+    def read():  # (the user types until a graph has been captured)
+        assert captured.wait(30) or seen
+        return "hello"
+
+    original = llm.generator.steps._capture_prefill
+    llm.generator.steps._capture_prefill = lambda *shape: (original(*shape), captured.set())
+    assert while_waiting(llm, read) == "hello"
+    count = len(seen)
+    assert count >= 1 and len(llm.generator.steps.pending) == len(prefill_shapes(512)) - count
+    threading.Event().wait(0.2)
+    assert len(seen) == count  # (nothing captures after the message is back)
