@@ -5,7 +5,10 @@ a seed, stop ids, fp32 and bf16, quantized weights), each one's first wait
 against its steady time, with the compiles and graph captures it caused.
 
     PYTHONPATH=. python3 benchmarks/latency.py --preset smollm2-135m [--dtype float32] [--quantize int4] [--json out.json]
-    PYTHONPATH=. python3 benchmarks/latency.py --gguf SmolLM2.gguf
+    PYTHONPATH=. python3 benchmarks/latency.py --gguf SmolLM2.gguf [--speculate ngram]
+
+With a tokenizer (--gguf), requests with a stop string and with a JSON
+schema follow; with --speculate, every request speculates.
 
 Each request makes --new_tokens tokens from a fresh cache (random prompt
 ids, seeded by length). "first" is its first run in the process, "steady"
@@ -41,6 +44,12 @@ REQUESTS = [  # (name, prompt tokens, sampling)
     ("8000 tokens, top_p 0.9", 8000, {"temperature": 1.0, "top_p": 0.9}),
     ("stop ids", 5, {"stop_ids": (1, 2, 3)}),
 ]
+WITH_TOKENIZER = [  # (a checkpoint with a tokenizer: --gguf)
+    ("stop string", 5, {"stop": ["\n\n"]}),
+    ("JSON object", 5, {"json_schema": {"type": "object"}}),
+    ("JSON schema, 64 tokens", 64, {"json_schema": {"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}}),
+]
 
 
 def main():
@@ -51,6 +60,7 @@ def main():
     p.add_argument("--quantize", default="auto")
     p.add_argument("--groupsize", type=int, default=128)
     p.add_argument("--new_tokens", type=int, default=8)
+    p.add_argument("--speculate", help="every request speculates: ngram (prompt lookup) or self")
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true", help="print where the start's time goes (cProfile)")
     opts = p.parse_args()
@@ -68,7 +78,7 @@ def main():
     from brisklm.bench import _prompt, read_ceiling_gb_s
     from brisklm.model import kv_bytes_per_position
     llm = brisklm.load(opts.gguf, preset=opts.preset, device="cuda", dtype=opts.dtype, quantize=opts.quantize,
-                       groupsize=opts.groupsize, quiet=False)
+                       groupsize=opts.groupsize, speculate=opts.speculate, quiet=False)
     start_s = time.perf_counter() - t0
     if opts.profile:
         profile.disable()
@@ -82,19 +92,23 @@ def main():
 
     def run(n, sampling):
         sampling = dict(sampling)
-        stop = sampling.pop("stop_ids", ())
+        stop_ids, stop = sampling.pop("stop_ids", ()), sampling.pop("stop", None)
         ids = _prompt(n, vocab, seed=n)
         gen.reset()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        for _ in llm.stream_ids(ids, opts.new_tokens, stop_ids=stop, **sampling):
+        if stop is not None:
+            pieces = llm.stream_ids_as_text(ids, opts.new_tokens, stop, **sampling)
+        else:
+            pieces = llm.stream_ids(ids, opts.new_tokens, stop_ids=stop_ids, **sampling)
+        for _ in pieces:
             pass
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
     first_token_s = None
     rows = []
-    for name, n, sampling in REQUESTS:
+    for name, n, sampling in REQUESTS + (WITH_TOKENIZER if llm.tokenizer is not None else []):
         if n + opts.new_tokens > gen.max_seq_length:
             continue
         compiles, graphs = counters["stats"]["unique_graphs"], captured()
@@ -120,6 +134,7 @@ def main():
     ceiling = read_ceiling_gb_s(torch.device("cuda"))
     bytes_per_token = llm.stats.weight_bytes + kv_bytes_per_position(llm.model.args, llm.model.dtype) * 105
     result = {"model": opts.gguf or opts.preset, "dtype": str(llm.model.dtype), "quantize": opts.quantize,
+              "speculate": opts.speculate,
               "torch": torch.__version__, "device": torch.cuda.get_device_name(), "cache": gen.max_seq_length,
               "start_s": start_s, "first_token_s": first_token_s, "requests": rows,
               "decode_tokens_per_s": rate, "read_ceiling_gb_s": ceiling,
