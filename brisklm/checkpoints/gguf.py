@@ -59,7 +59,7 @@ LLAMA3_ROPE_DEFAULTS = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor":
 
 
 def open_reader(path):
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
     class Reader(GGUFReader):
         """GGUFReader over a plain ndarray view of its memory map.
@@ -76,6 +76,28 @@ def open_reader(path):
         def data(self, mapped):
             self._mapping = mapped  # keeps the file mapped
             self._plain = mapped.view(np.ndarray)
+
+        def _get_field_parts(self, offset, raw_type):
+            """An array field in a few parts: a numeric array as one view, a
+            string array one view a string (the library makes one or two
+            views an element: most of a load's time for a vocabulary's
+            ~100k entries). contents() reads them the same."""
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(offset, raw_type)
+            item, length = self._get(offset, np.uint32), self._get(offset + 4, np.uint64)
+            sub, n, start = GGUFValueType(int(item[0])), int(length[0]), offset + 12
+            numeric = self.gguf_scalar_to_np.get(sub)
+            if numeric is not None:
+                values = self._get(start, numeric, n)
+                return 12 + values.nbytes, [item, length, values], [2], [GGUFValueType.ARRAY, sub]
+            if sub != GGUFValueType.STRING:  # (arrays of arrays: the library's way)
+                return super()._get_field_parts(offset, raw_type)
+            raw, lengths, at, strings = self.data, memoryview(self.data), start, []
+            for _ in range(n):
+                size = int.from_bytes(lengths[at:at + 8], "little")
+                strings.append(raw[at + 8:at + 8 + size])
+                at += 8 + size
+            return at - offset, [item, length, *strings], list(range(2, 2 + n)), [GGUFValueType.ARRAY, sub]
 
     try:
         return Reader(path)
