@@ -103,7 +103,7 @@ def decode_figures(llm, prompt_len, new_tokens, samples, ceiling, dtype):
     per_token = llm.stats.weight_bytes + live * kv_bytes_per_position(llm.model.args, dtype, llm.model.kv_int8)
     rate = statistics.median(rates)
     if max(rates) > SPREAD_WARNING * min(rates):
-        from .api import log
+        from .console import log
         log(f"Warning: the decode samples vary {max(rates) / max(min(rates), 1e-9):.1f}x ({min(rates):.1f} to "
             f"{max(rates):.1f} tokens/s): the device is busy or throttling; the median is reported, "
             f"more --samples steady it")
@@ -141,7 +141,8 @@ def speculative_figures(llm, kind: str, draft_tokens: int, draft_layers, new_tok
     the drafter of the draft model load() made), in this process, the
     acceptance (tokens per target step), and whether both outputs are the
     same tokens (they must be)."""
-    from .api import drafter, log
+    from .api import drafter
+    from .console import log
     from .sampling import SamplingParams
     ids, what = speculative_prompt(llm)
     if not llm.fits(ids, new_tokens):
@@ -209,7 +210,7 @@ def dense_weights(llm) -> dict:
     """The model's canonical weights, dense, for a peer that reads no
     quantized formats: its own where it holds them so, else the checkpoint
     read again without quantizing (a preset: random weights of its shape)."""
-    from .api import log
+    from .console import log
     from .model import canonical_names, random_state_dict
     args, device, dtype = llm.model.args, llm.generator.device, llm.model.norm.weight.dtype
     state = dict(llm.model.state_dict())
@@ -289,7 +290,8 @@ def _model_args(opts):
 
 def run(opts) -> dict:
     """Every figure for one model on one device; opts as parsed by the CLI."""
-    from .api import load, log, usable_device
+    from .api import load, usable_device
+    from .console import log
     device = torch.device(usable_device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     _model_args(opts)  # a bad preset name fails before the ceilings are measured
     log(f"Measuring the ceilings of {device}...")

@@ -343,7 +343,7 @@ def cmd_generate(args):
     import json
 
     import torch
-    from .api import log
+    from .console import log
     _check_sampling(args)
     prompt_text = None if args.preset else read_prompt(args)  # (before loading: a bad file fails fast)
     from .constrain import from_files
@@ -456,7 +456,8 @@ def dense_transform(model_args, name, t):
 
 
 def cmd_convert(args):
-    from .api import parse_dtype, step
+    from .api import parse_dtype
+    from .console import step
     from .checkpoints import load
     from .checkpoints.native import save_native
     source = args.checkpoint_path or "the bundled default model"
@@ -508,7 +509,8 @@ def _size(path: str) -> int:
 
 
 def cmd_quantize(args):
-    from .api import check_kept_blocks, gptq_errors, gptq_transform, log, parse_dtype, progress_bar, step
+    from .api import check_kept_blocks, gptq_errors, gptq_transform, parse_dtype
+    from .console import log, progress_bar, step
     from .checkpoints import load, resolve
     from .checkpoints.native import NativeWriter, save_native
     from .quantize import quantizer, untied
@@ -575,7 +577,8 @@ def growth_reasons(kind: str, source: str, output: str, mode: str, tied: bool) -
 
 def cmd_eval(args):
     import torch
-    from .api import load, log
+    from .api import load
+    from .console import log
     from .evaluate import default_text, perplexity, perplexity_and_kl
     if args.tasks:
         return eval_tasks(args)
@@ -631,7 +634,7 @@ def eval_tasks(args):
     import json
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import make_table
-    from .api import log, progress_bar
+    from .console import log, progress_bar
     if args.log_samples and not (args.output or args.output_path):
         raise BriskError("--log_samples needs --output or --output_path (where the samples go)")
     gen_kwargs = harness.parse_gen_kwargs(args.gen_kwargs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import brisklm
-from brisklm import api
+from brisklm import api, memory
 from brisklm.checkpoints import load as load_checkpoint
 from brisklm.errors import BriskError
 from brisklm.model import ModelArgs, random_state_dict
@@ -96,7 +96,7 @@ def test_quantizing_while_building_peaks_at_the_quantized_size_plus_one_tensor()
 
 
 def test_weights_that_cannot_fit_are_refused_before_loading_with_what_would_fit(monkeypatch):
-    monkeypatch.setattr(api, "free_memory_bytes", lambda device: 100e9)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 100e9)
     monkeypatch.setattr(api, "random_state_dict", lambda *a, **k: pytest.fail("loaded anyway"))
     with pytest.raises(BriskError) as e:
         brisklm.load(preset="llama-3.1-70b", device="cpu", quantize="none")
@@ -107,7 +107,7 @@ def test_weights_that_cannot_fit_are_refused_before_loading_with_what_would_fit(
 
 
 def test_a_plan_that_fits_is_printed(monkeypatch, capsys):
-    monkeypatch.setattr(api, "free_memory_bytes", lambda device: 100e9)
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 100e9)
     monkeypatch.setattr(api, "random_state_dict", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):  # (stopped once the plan is made)
         brisklm.load(preset="llama-3.1-70b", device="cpu", quantize="int8", max_seq_length=8192, quiet=False)
@@ -196,8 +196,8 @@ def test_a_quantized_native_folder_is_planned_at_what_it_stores(tmp_path, monkey
     names = set(canonical_names(qargs))  # dense tensors load in bf16, quantized entries as they are
     stored = sum(t.numel() * (2 if k in names else t.element_size()) for k, t in state.items())
     assert stored < 0.5 * dense_bytes
-    free = (stored + dense_bytes) / 2 / api.PLAN_SHARE  # room for the int4 folder, not for the dense model
-    monkeypatch.setattr(api, "free_memory_bytes", lambda device: free)
+    free = (stored + dense_bytes) / 2 / memory.PLAN_SHARE  # room for the int4 folder, not for the dense model
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: free)
     llm = brisklm.load(str(tmp_path), device="cpu", dtype="bfloat16", max_seq_length=16, quiet=False)
     err = capsys.readouterr().err
     assert f"Memory plan on cpu: {stored / 1e6:.0f} MB of weights (as stored)" in err, (err, stored)

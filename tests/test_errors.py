@@ -431,10 +431,10 @@ def test_a_cache_past_the_model_context_is_refused_unless_allowed(hf_folder):
 
 
 def test_a_default_cache_is_capped_by_free_memory(hf_folder, monkeypatch, capsys):
-    from brisklm import api
+    from brisklm import memory
     per_position = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # bf16 keys and values
     before = iter([10**12])  # the memory plan, before loading: room for the weights
-    monkeypatch.setattr(api, "free_memory_bytes", lambda device: next(before, 2 * 256 * per_position))
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: next(before, 2 * 256 * per_position))
     llm = brisklm.load(hf_folder, device="cpu", quiet=False)
     assert llm.generator.max_seq_length == 256
     assert "capped at 256 tokens" in capsys.readouterr().err

@@ -9,8 +9,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 CORE = {"model", "generate", "steps", "sampling", "speculative", "quantize", "gptq", "modes", "errors", "tp"}
 FUSION = {"fusion"}  # the GPU kernels applied to a built model: above the core, below the front ends
-FRONT = {"api", "cli", "repl", "bench", "chat", "constrain", "evaluate", "harness", "tokenizer", "presets", "server",
-         "__init__", "__main__"}
+FRONT = {"api", "cli", "repl", "bench", "chat", "console", "constrain", "evaluate", "harness", "memory", "tokenizer",
+         "presets", "server", "__init__", "__main__"}
 
 
 def module_name(path: str) -> str:
