@@ -160,7 +160,7 @@ class Grammar:
         self._matcher = matcher
 
     def constraint(self) -> "Constraint":
-        return Constraint(self._matcher.deep_copy(), self.vocab_size)
+        return Constraint(self._matcher.deep_copy(), self.vocab_size, self.eos_ids)
 
 
 def compile_grammar(tokenizer, vocab_size: int, json_schema=None, regex=None, grammar=None,
@@ -211,10 +211,11 @@ class Constraint:
     """One generation's state under a Grammar: the allowed set of the next
     token (as a bitmask in a host buffer), advanced by each token chosen."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
-        pin = torch.cuda.is_available()  # (pinned: the copy to the GPU is asynchronous)
-        self.bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32, pin_memory=pin)
+    def __init__(self, matcher, vocab_size: int, eos_ids=()):
+        self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, set(eos_ids)
+        self.pin = torch.cuda.is_available()  # (pinned: the copy to the GPU is asynchronous)
+        self.bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32, pin_memory=self.pin)
+        self.rows = self.bits[None]  # a verify step's masks, one row a position (draft_masks)
 
     @property
     def done(self) -> bool:
@@ -236,6 +237,61 @@ class Constraint:
         if not self.matcher.consume_token(token):
             self._check()
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+
+    # --- speculation: drafts checked against the grammar, rolled back by what the verify rejects
+
+    def allowed_drafts(self, drafts: list[int]) -> int:
+        """How many of drafts, from the start, the grammar allows in turn (its state unchanged)."""
+        return self.matcher.validate_tokens(drafts) if drafts else 0
+
+    def draft_masks(self, drafts: list[int], keep_refused: bool = False) -> tuple[list[int], torch.Tensor, int]:
+        """(the drafts to verify, their rows' bitmasks (drafts + 1, W): row i the
+        mask after drafts[:i], how many drafts the matcher has consumed). The
+        drafts end at the first the grammar refuses (kept, where keep_refused,
+        as a last draft that the verify rejects for sure: a sampled draft
+        model's rejection draws from its residual), at an end token (kept, not
+        consumed) and where the grammar is complete. A row with no mask (after
+        an unconsumed draft, or past the grammar's end) allows every token:
+        nothing sampled there is emitted (settle). The buffer is reused as
+        mask()'s is."""
+        if self.rows.shape[0] < len(drafts) + 1:
+            self.rows = torch.zeros(len(drafts) + 1, self.bits.numel(), dtype=torch.int32, pin_memory=self.pin)
+        rows, size = self.rows, self.bits.numel() * 4
+        for i, d in enumerate(drafts):
+            if self.done:  # (complete: nothing may follow drafts[:i])
+                rows[i] = -1
+                return drafts[:i], rows[:i + 1], i
+            self.matcher.unsafe_compute_mask_ptr(rows[i].data_ptr(), size)
+            self._check()
+            allowed = (int(rows[i, d // 32]) >> (d % 32)) & 1
+            if d in self.eos_ids or not allowed:
+                rows[i + 1] = -1
+                kept = drafts[:i + 1] if allowed or keep_refused else drafts[:i]
+                return kept, rows[:len(kept) + 1], i
+            self.advance(d)
+        n = len(drafts)
+        if self.done:
+            rows[n] = -1
+        else:
+            self.matcher.unsafe_compute_mask_ptr(rows[n].data_ptr(), size)
+            self._check()
+        return drafts, rows[:n + 1], n
+
+    def settle(self, consumed: int, emitted: list[int]) -> list[int]:
+        """After a verify of drafts of which draft_masks consumed `consumed`, and
+        which emitted the kept drafts and one token more: the matcher rolled
+        back to the kept drafts and advanced by the tokens after them, as plain
+        decoding would; the emitted tokens less any past the grammar's end."""
+        kept = min(consumed, len(emitted) - 1)
+        if consumed > kept and not self.matcher.rollback(consumed - kept):
+            self._check()
+        out = emitted[:kept]
+        for token in emitted[kept:]:
+            if self.done:
+                break
+            self.advance(token)
+            out.append(token)
+        return out
 
     def _check(self):
         if self.matcher.is_error():

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from .model import Transformer, cached_prefix
-from .sampling import SamplingParams
+from .sampling import SamplingParams, masked
 from .speculative import DraftPolicy, accept
 from .steps import Steps
 
@@ -105,8 +105,11 @@ class Generator:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
-    def _speculated(self, prompt_ids, first: int, max_new_tokens, params, stop, drafter, k, t0, adapt=True):
-        """The decode loop of speculative decoding (speculative.py), after the first token."""
+    def _speculated(self, prompt_ids, first: int, max_new_tokens, params, stop, drafter, k, t0, adapt=True,
+                    constraint=None):
+        """The decode loop of speculative decoding (speculative.py), after the
+        first token; under a constraint, each position verified under its own
+        mask (_verify), the plain steps masked (_masked_run)."""
         stats = self.stats
         history = [*prompt_ids, first]
         stats.prefill_s, stats.new_tokens = time.perf_counter() - t0, 1
@@ -122,22 +125,20 @@ class Generator:
             costs = {}
         policy = DraftPolicy(k, costs=costs, free_judging=hasattr(drafter, "judge")) if adapt else None
         settings = params.on(self.device)
-        while stats.new_tokens < max_new_tokens:
+        while stats.new_tokens < max_new_tokens and not (constraint and constraint.done):
             here = len(history) - 1  # the position of the newest token, not yet in the cache
             room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted
             n, t_step = policy.choose(room) if policy else min(k, room), time.perf_counter()
             drafts, q = drafter.propose(history, n, params, self.logits) if n else ([], None)
             if drafts:
-                logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
-                emitted = accept(logits, drafts, q, params)  # (reads the tokens: the step's time is known)
+                drafts, emitted = self._verify(history, drafts, q, params, constraint)
+            if drafts:
                 steps = 1
             else:  # nothing to check: plain decoding's own steps, queued ahead as its loop does,
                 # as many as the policy will not draft for (one where a drafter found nothing)
                 steps = min(policy.plain_steps() if policy and not n else 1, room + 1)
-                run = self._run(torch.tensor([history[-1]], device=self.device), here, steps, settings)
-                next(run)  # (the token fed first: known)
                 emitted = []
-                for value in run:
+                for value in self._plain_run(history[-1], here, steps, settings, constraint):
                     emitted.append(value)
                     if value in stop:
                         break
@@ -156,8 +157,42 @@ class Generator:
                 if value in stop:
                     self.cached = history[:-1]
                     return
-            if policy and policy.free_judging and not drafts:  # what drafting would have kept of them
+            if policy and policy.free_judging and not drafts and emitted:  # what drafting would have kept
                 policy.observe(*drafter.judge(history, len(history) - len(emitted), policy.max_k))
+
+    def _verify(self, history: list[int], drafts: list[int], q, params, constraint) -> tuple[list[int], list[int]]:
+        """One verify forward of the newest token and drafts -> (the drafts
+        checked, the tokens emitted: the kept drafts and one more). Under a
+        constraint the drafts the grammar refuses are cut before the forward,
+        and each row is accepted under the mask after the drafts before it,
+        computed while the device runs the forward; so the tokens are those
+        of masked plain decoding (greedy), or distributed as them (sampled)."""
+        here = len(history) - 1
+        if constraint is None:
+            logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
+            return drafts, accept(logits, drafts, q, params)  # (reads the tokens: the step's time is known)
+        # (a sampled draft model's refused draft stays: its rejection draws from the residual p - q)
+        refused = q is not None and not params.greedy
+        drafts = drafts[:constraint.allowed_drafts(drafts) + refused]
+        if not drafts:
+            return [], []
+        logits = self.logits([history[-1], *drafts], here)[0]
+        drafts, rows, consumed = constraint.draft_masks(drafts, keep_refused=refused)
+        logits = masked(logits[:len(drafts) + 1], rows.to(self.device, non_blocking=True))
+        emitted = accept(logits, drafts, None if q is None else q[:len(drafts)], params)
+        return drafts, constraint.settle(consumed, emitted)
+
+    def _plain_run(self, token: int, pos: int, steps: int, settings, constraint) -> Iterator[int]:
+        """The `steps` tokens after token (a host int at position pos, not in
+        the cache) by plain decoding steps queued ahead: _run's, or under a
+        constraint _masked_run's."""
+        device_token = torch.tensor([token], device=self.device)
+        if constraint is None:
+            run = self._run(device_token, pos, steps, settings)
+            next(run)  # (the token fed first: known)
+            return run
+        logits = self.constrained_steps.forward(device_token, pos)
+        return self._masked_run(logits, pos + 1, steps, settings, constraint)
 
     def _agreed(self, seconds: float) -> float:
         """A step's time as every tensor-parallel rank takes it (the slowest
@@ -197,36 +232,16 @@ class Generator:
             yield int(host.item())
 
     def _constrained(self, prompt_ids, start: int, max_new_tokens: int, settings, stop, constraint, t0):
-        """The decode loop under a grammar (constrain.Constraint): each token
-        sampled with the tokens the grammar forbids masked out. The forward of
-        token i is queued before the host reads it, so the host computes the
-        mask of token i+1 (llguidance, on the CPU) while the device runs that
-        forward; then the masked sampling is queued. Ends when the grammar is
-        complete, without a step for the end token."""
+        """The decode loop under a grammar (constrain.Constraint): _masked_run
+        from the prompt's logits. Ends when the grammar is complete, without a
+        step for the end token."""
         stats = self.stats
-        steps = self.constrained_steps
-        logits = steps.prefill(prompt_ids[start:], start)  # (1, V)
+        logits = self.constrained_steps.prefill(prompt_ids[start:], start)  # (1, V)
         self.cached.extend(prompt_ids[start:])
-        ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        pos, t_decode = len(prompt_ids), None
-        for i in range(max_new_tokens):
-            bits = constraint.mask()  # (overlaps the forward queued last)
-            if bits is None:
-                break
-            token = steps.sample(logits, settings, bits.to(self.device, non_blocking=True))
-            host = token.to("cpu", non_blocking=True)
-            if ready is not None:
-                ready.record()
-            elif t_decode is None:  # (as in _run: on a CPU the token is ready now, the forward runs below)
-                t_decode = time.perf_counter()
-            if i + 1 < max_new_tokens:  # queue the next forward before reading this token
-                logits = steps.forward(token, pos + i)
-            if ready is not None:
-                ready.synchronize()
-            value = int(host.item())
-            if t_decode is None:
-                t_decode = time.perf_counter()
+        t_decode = None
+        for i, value in enumerate(self._masked_run(logits, len(prompt_ids), max_new_tokens, settings, constraint)):
             if i == 0:
+                t_decode = self.first_token_at
                 stats.prefill_s = t_decode - t0
             if i + 1 < max_new_tokens:  # (its keys are in the cache)
                 self.cached.append(value)
@@ -235,10 +250,40 @@ class Generator:
             yield value
             if value in stop:
                 break
-            constraint.advance(value)
         self._sync()
         if t_decode is not None and stats.new_tokens > 1:
             stats.decode_s = time.perf_counter() - t_decode
+
+    def _masked_run(self, logits: torch.Tensor, pos: int, steps: int, settings, constraint) -> Iterator[int]:
+        """Up to `steps` tokens sampled with the tokens the grammar forbids
+        masked out, the first from logits (1, V), at position pos. The forward
+        of token i is queued before the host reads it, so the host computes
+        the mask of token i+1 (llguidance, on the CPU) while the device runs
+        that forward; then the masked sampling is queued. Each token is given
+        to the constraint when the caller asks for the next (a caller that
+        stops at a stop token does not); ends where the grammar is complete.
+        The forward of the last token is not run."""
+        steps_ = self.constrained_steps
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        for i in range(steps):
+            bits = constraint.mask()  # (overlaps the forward queued last)
+            if bits is None:
+                return
+            token = steps_.sample(logits, settings, bits.to(self.device, non_blocking=True))
+            host = token.to("cpu", non_blocking=True)
+            if ready is not None:
+                ready.record()
+            elif i == 0:  # (as in _run: on a CPU the token is ready now, the forward runs below)
+                self.first_token_at = time.perf_counter()
+            if i + 1 < steps:  # queue the next forward before reading this token
+                logits = steps_.forward(token, pos + i)
+            if ready is not None:
+                ready.synchronize()
+                if i == 0:
+                    self.first_token_at = time.perf_counter()
+            value = int(host.item())
+            yield value
+            constraint.advance(value)
 
     @functools.cached_property
     def constrained_steps(self):
@@ -261,7 +306,7 @@ class Generator:
         draft_tokens proposed ones: as many as pay, by the run's own measure
         (speculative.DraftPolicy), or always draft_tokens (adapt_drafts=False).
         With a constraint (constrain.Constraint), every token is sampled among
-        those its grammar allows (_constrained; not speculated)."""
+        those its grammar allows (_constrained; speculated: _verify)."""
         self.check(prompt_ids, max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
@@ -272,8 +317,18 @@ class Generator:
         stop = set(stop_ids)
         t0 = time.perf_counter()
         settings = params.on(self.device)
-        if constraint is not None:  # (a loop of its own: unconstrained decoding keeps its fast path)
+        if constraint is not None and drafter is None:  # (a loop of its own: unconstrained decoding keeps
             yield from self._constrained(prompt_ids, start, max_new_tokens, settings, stop, constraint, t0)
+            return  # its fast path)
+        if constraint is not None:  # (the first token under the grammar, then speculation under it)
+            logits = self.constrained_steps.prefill(prompt_ids[start:], start)
+            self.cached.extend(prompt_ids[start:])
+            first = list(self._masked_run(logits, len(prompt_ids), 1, settings, constraint))
+            if not first:
+                return
+            self.steps.verify_rows = draft_tokens + 1
+            yield from self._speculated(prompt_ids, first[0], max_new_tokens, params, stop, drafter,
+                                        draft_tokens, t0, adapt_drafts, constraint)
             return
         token = self.steps.prefill(prompt_ids[start:], start, settings)
         self.cached.extend(prompt_ids[start:])

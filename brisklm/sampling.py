@@ -100,10 +100,16 @@ def sample(logits: torch.Tensor, params) -> torch.Tensor:
 
 
 def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A bitmask (W,) int32, bit t % 32 of word t // 32 set for an allowed
-    token t (llguidance's layout, constrain.py) -> (vocab_size,) bool, on the device."""
+    """A bitmask (..., W) int32, bit t % 32 of word t // 32 set for an allowed
+    token t (llguidance's layout, constrain.py) -> (..., vocab_size) bool, on the device."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    return ((bits[:, None] >> shifts) & 1).view(-1)[:vocab_size].bool()
+    return ((bits[..., None] >> shifts) & 1).flatten(-2)[..., :vocab_size].bool()
+
+
+def masked(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits with the tokens the bitmask (..., W) forbids at -inf: the
+    grammar's distribution once softmaxed (a speculative verify's rows, each under its own mask)."""
+    return logits.masked_fill(~allowed_tokens(bits, logits.shape[-1]), -float("inf"))
 
 
 def sample_allowed(logits: torch.Tensor, settings, bits: torch.Tensor) -> torch.Tensor:
@@ -111,5 +117,4 @@ def sample_allowed(logits: torch.Tensor, settings, bits: torch.Tensor) -> torch.
     before temperature and every filter, so top-k, top-p and min-p choose among
     allowed tokens only. The mask is data (a tensor), so one compiled step or
     CUDA graph serves every grammar."""
-    allowed = allowed_tokens(bits, logits.shape[-1])
-    return sample(logits.masked_fill(~allowed, -float("inf")), settings)
+    return sample(masked(logits, bits), settings)
