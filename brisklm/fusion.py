@@ -7,7 +7,8 @@ only place a kernel route is chosen:
 - every Linear becomes a FusedLinear: one token goes through a batch-1 GEMV
   (kernels/gemv.py) that reads the weight in its stored format, 2..FEW_ROWS
   tokens of a quantized weight through kernels/matmul.py, and anything else
-  through the format's own forward;
+  through the format's own forward; each format's kernels are its Route,
+  registered in ROUTES (a new format registers one, or runs its own forward);
 - the RMSNorm before wqkv, w13 and the output layer moves into that Linear
   (the model's norm becomes a pass-through), where the bf16 and int4 GEMVs
   apply it inside the kernel (no kernel between two GEMVs that reduces over
@@ -43,60 +44,124 @@ class Folded(nn.Module):
         return x
 
 
+class Route:
+    """How the kernels read one weight format, as stored: one token's GEMV (the
+    norm before it applied), a few rows' matmul on the tensor cores, an MoE
+    expert's matrix in place in the stacked tensors. None: no kernel serves
+    it, and the format's own forward runs."""
+    prefill_chunk = 0  # the prompt chunk the few-rows kernel suits (steps.Steps.prefill_chunk), 0: any
+
+    def adopt(self, w: WeightFormat):
+        """Put w's tensors in the precision the kernels read."""
+
+    def one_token(self, w, x, norm):
+        return None
+
+    def few_rows(self, w, x):
+        return None
+
+    def expert(self, w, part: dict, x, e):
+        return None
+
+
+ROUTES: dict[type, Route] = {}  # each weight format's, registered below
+
+
+def route(format: type):
+    """Register the decorated Route for `format` (and its subclasses)."""
+    def register(cls):
+        ROUTES[format] = cls()
+        return cls
+    return register
+
+
+def route_of(w: WeightFormat) -> Route:
+    return next((ROUTES[c] for c in type(w).__mro__ if c in ROUTES), NO_ROUTE)
+
+
+NO_ROUTE = Route()
+
+
+def normed(x, norm):
+    return x if norm is None else norm(x)
+
+
+@route(Linear)
+class DenseRoute(Route):
+    def one_token(self, w, x, norm):  # only where ours measured faster than cuBLAS (bf16, fp16 weights)
+        if x.is_cuda and w.weight.element_size() == 2 and gemv.beats_dense(w.out_features, w.in_features):
+            return gemv.scaled_gemv(x, w.weight, norm).sum(0)
+        return None  # (a few rows: cuBLAS, faster than our kernel on an H200)
+
+    def expert(self, w, part, x, e):
+        y = gemv.expert_gemv(x, part["weight"], e)
+        return None if y is None else y.sum(0)
+
+
+@route(Int4WeightOnlyLinear)
+class Int4Route(Route):
+    prefill_chunk = matmul.FEW_ROWS  # (reads the codes once a chunk: faster than 256-token chunks)
+
+    def one_token(self, w, x, norm):
+        if w.padded != w.in_features:  # (the norm cannot fold into a padded x)
+            x, norm = F.pad(normed(x, norm), (0, w.padded - w.in_features)), None
+        return gemv.int4_gemv(x, w.packed, w.scale, w.zero, norm).sum(0)
+
+    def few_rows(self, w, x):
+        x = F.pad(x, (0, w.padded - w.in_features)) if w.padded != w.in_features else x
+        return matmul.few_rows_matmul(x, w.packed, w.scale, w.zero)
+
+    def expert(self, w, part, x, e):
+        y = gemv.expert_gemv(x, part["packed"], e, part["scale"], part["zero"]) if w.padded == w.in_features else None
+        return None if y is None else y.sum(0)
+
+
+@route(ScaledWeightOnlyLinear)
+class ScaledRoute(Route):  # int8 and fp8 (measured no gain from folding the norm)
+    def one_token(self, w, x, norm):
+        return gemv.scaled_gemv(normed(x, norm), w.weight).sum(0) * w.scale.float()
+
+    def few_rows(self, w, x):
+        return matmul.few_rows_matmul(x, w.weight) * w.scale.float()
+
+    def expert(self, w, part, x, e):
+        y = gemv.expert_gemv(x, part["weight"], e)  # (None for codes the kernel takes not: fp8)
+        return None if y is None else y.sum(0) * part["scale"].index_select(0, e)[0].float()
+
+
+@route(GroupedInt8Linear)
+class GroupedInt8Route(Route):  # Q8_0
+    def adopt(self, w):
+        w.scale = w.scale.half()  # the kernels read Q8_0's own precision
+
+    def one_token(self, w, x, norm):
+        return gemv.int8_group_gemv(normed(x, norm), w.weight, w.scale).sum(0)
+
+    def few_rows(self, w, x):
+        return matmul.few_rows_matmul(x, w.weight, w.scale)
+
+
 class FusedLinear(WeightFormat):
-    """A weight format (`inner`, in its stored layout) with the kernels'
-    routes in front, and the RMSNorm before it (`norm`), if any."""
+    """A weight format (`inner`, in its stored layout) with its kernels'
+    route in front (ROUTES), and the RMSNorm before it (`norm`), if any."""
 
     def __init__(self, inner: WeightFormat, norm: RMSNorm | None = None):
         super().__init__()
-        self.inner, self.norm = inner, norm
+        self.inner, self.norm, self.route = inner, norm, route_of(inner)
         self.in_features, self.out_features, self.bias = inner.in_features, inner.out_features, inner.bias
-        if isinstance(inner, GroupedInt8Linear):
-            inner.scale = inner.scale.half()  # the kernels read Q8_0's own precision
+        self.route.adopt(inner)
 
     def forward(self, x):
         shape, rows = x.shape, x.numel() // self.in_features
-        y = self.one_token(x.reshape(-1)) if rows == 1 else None
+        y = self.route.one_token(self.inner, x.reshape(-1), self.norm) if rows == 1 and gemv.available(x.device) \
+            else None
         if y is None:
-            x = x if self.norm is None else self.norm(x)
-            y = self.few_rows(x.reshape(-1, self.in_features)) if matmul.supported(x) else None
+            x = normed(x, self.norm)
+            y = self.route.few_rows(self.inner, x.reshape(-1, self.in_features)) if matmul.supported(x) else None
             if y is None:
                 return self.inner(x)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
-
-    def one_token(self, x):
-        """(N,) for one token through a GEMV (the norm applied), or None where none serves."""
-        w, norm = self.inner, self.norm
-        if not gemv.available(x.device):
-            return None
-        if isinstance(w, Linear):  # only where ours measured faster than cuBLAS (bf16, fp16 weights)
-            if not (x.is_cuda and w.weight.element_size() == 2 and gemv.beats_dense(self.out_features, self.in_features)):
-                return None
-            return gemv.scaled_gemv(x, w.weight, norm).sum(0)
-        if isinstance(w, Int4WeightOnlyLinear):
-            if w.padded != w.in_features:  # (the norm cannot fold into a padded x)
-                x = F.pad(x if norm is None else norm(x), (0, w.padded - w.in_features))
-                norm = None
-            return gemv.int4_gemv(x, w.packed, w.scale, w.zero, norm).sum(0)
-        x = x if norm is None else norm(x)  # (int8, fp8, Q8_0 measured no gain from the fold)
-        if isinstance(w, ScaledWeightOnlyLinear):
-            return gemv.scaled_gemv(x, w.weight).sum(0) * w.scale.float()
-        if isinstance(w, GroupedInt8Linear):
-            return gemv.int8_group_gemv(x, w.weight, w.scale).sum(0)
-        return None
-
-    def few_rows(self, x):
-        """(M, N) for a few tokens of quantized codes, read once on the tensor cores; or None."""
-        w = self.inner  # (dense weights take cuBLAS: faster than our kernel at a few rows on an H200)
-        if isinstance(w, ScaledWeightOnlyLinear):
-            return matmul.few_rows_matmul(x, w.weight) * w.scale.float()
-        if isinstance(w, GroupedInt8Linear):
-            return matmul.few_rows_matmul(x, w.weight, w.scale)
-        if isinstance(w, Int4WeightOnlyLinear):
-            x = F.pad(x, (0, w.padded - w.in_features)) if w.padded != w.in_features else x
-            return matmul.few_rows_matmul(x, w.packed, w.scale, w.zero)
-        return None
 
     def prepare(self, device, compiled=False):
         """Nothing: the kernels read `inner` as stored."""
@@ -149,18 +214,10 @@ class FusedMoE(MoEFeedForward):
     def expert_matmul(self, name: str, x, e):
         """(N,) fp32: x (K,) times the `name` matrix of expert e ((1,), on the device)."""
         linear = getattr(self.experts[0], name)
-        w = linear.inner
         part = {p: self.stacked[f"{name}.inner.{p}"] for p in ("weight", "packed", "scale", "zero")
                 if f"{name}.inner.{p}" in self.stacked}
-        y = None
-        if isinstance(w, Int4WeightOnlyLinear) and w.padded == w.in_features:
-            y = gemv.expert_gemv(x, part["packed"], e, part["scale"], part["zero"])
-        elif isinstance(w, (ScaledWeightOnlyLinear, Linear)):  # (None where the kernels take no such codes: fp8)
-            y = gemv.expert_gemv(x, part["weight"], e)
+        y = linear.route.expert(linear.inner, part, x, e)
         if y is not None:
-            y = y.sum(0)
-            if isinstance(w, ScaledWeightOnlyLinear):  # (int8's per-row scale, on the sums)
-                y = y * part["scale"].index_select(0, e)[0].float()
             return y
         # no kernel reads this format in place: the expert's tensors copied out, as by_slot does
         tensors = {f"inner.{p}": t.index_select(0, e)[0] for p, t in part.items()}
@@ -194,10 +251,8 @@ def fuse_for_decode(model: Transformer) -> Transformer:
         if fused_attention:
             attn.__class__ = FusedAttention  # same state, the kernel's forward in front
     model.output, model.norm = fold(model.output, model.norm)
-    # A long prompt's prefill runs in chunks (steps.py); int4 weights in chunks
-    # that the few-rows kernel takes, which reads their codes once a chunk
-    # (measured faster than the 256-token chunks for int4, slower for int8).
-    int4 = any(isinstance(m, FusedLinear) and isinstance(m.inner, Int4WeightOnlyLinear) for m in model.modules())
+    # (a long prompt's prefill runs in chunks, steps.py: of the size a format's route suits)
+    chunk = max((m.route.prefill_chunk for m in model.modules() if isinstance(m, FusedLinear)), default=0)
     model.decode_kernels = {"attention": attention_kernel.MAX_TOKENS if fused_attention else 0,
-                            "gemv": gemv.tuned(), "prefill_chunk": matmul.FEW_ROWS if int4 else 0}
+                            "gemv": gemv.tuned(), "prefill_chunk": chunk}
     return model
