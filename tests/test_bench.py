@@ -1,11 +1,11 @@
 """`brisk bench` on the CPU: the harness runs end to end and its arithmetic is right."""
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import forked_brisk
 from brisklm.bench import LLAMA_CONFIG, _to_hf_state_dict, dense_weights, hf_peer_figures, kv_bytes_per_position, prefill_flops
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.presets import preset
@@ -17,12 +17,11 @@ TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden
 @pytest.mark.slow
 def test_bench_reports_every_figure(smollm2_gguf, tmp_path):
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "brisklm", "bench", "--checkpoint_path", smollm2_gguf, "--device", "cpu",
+    done = forked_brisk.run(
+        ["bench", "--checkpoint_path", smollm2_gguf, "--device", "cpu",
          "--prefill", "32", "--context", "64", "--samples", "2", "--new_tokens", "4", "--max_seq_length", "400",
          "--speculate", "ngram",
-         "--json", str(out), "--markdown", str(tmp_path / "bench.md")],
-        capture_output=True, text=True, timeout=300)
+         "--json", str(out), "--markdown", str(tmp_path / "bench.md")], timeout=300)
     assert done.returncode == 0, done.stderr
     r = json.loads(out.read_text())
     assert r["read_ceiling_gb_s"] > 0 and r["matmul_tflops"] > 0
@@ -84,11 +83,10 @@ def test_bench_speculates_with_a_draft_preset(tmp_path):
     weights (here the target's own shape, so its drafts are the target's
     tokens); the decode figures stay plain decoding's."""
     out = tmp_path / "bench.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "brisklm", "bench", "--preset", "tiny-moe", "--device", "cpu", "--prefill", "",
+    done = forked_brisk.run(
+        ["bench", "--preset", "tiny-moe", "--device", "cpu", "--prefill", "",
          "--context", "", "--samples", "2", "--new_tokens", "16", "--speculate", "draft",
-         "--draft_preset", "tiny-moe", "--json", str(out)],
-        capture_output=True, text=True, timeout=300)
+         "--draft_preset", "tiny-moe", "--json", str(out)], timeout=300)
     assert done.returncode == 0, done.stderr
     sp = json.loads(out.read_text())["speculative"]
     assert sp["kind"] == "draft" and sp["same_tokens"] and sp["speculative"]["tokens_per_step"] > 1

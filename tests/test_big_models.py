@@ -15,6 +15,8 @@ from brisklm.errors import BriskError
 from brisklm.model import ModelArgs, random_state_dict
 from brisklm.quantize import quantize_state_dict, quantizer, untied
 
+import forked_brisk
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -41,9 +43,9 @@ def test_the_real_model_quantized_while_loading_equals_brisk_quantize_then_load(
     requantized tensor by tensor as it is read, against `brisk quantize`'s
     file read back: the same entries, bit for bit."""
     out = str(tmp_path / mode)
-    cmd = [sys.executable, "-m", "brisklm", "quantize", "--checkpoint_path", smollm2_gguf, "--mode", mode,
-           "--groupsize", "32", "--dtype", "bfloat16", "--output", out]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    cmd = ["quantize", "--checkpoint_path", smollm2_gguf, "--mode", mode, "--groupsize", "32", "--dtype", "bfloat16",
+           "--output", out]
+    done = forked_brisk.run(cmd, env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tensor by tensor" in done.stderr
     written = load_checkpoint(out, dtype=torch.bfloat16).state_dict

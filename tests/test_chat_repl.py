@@ -1,28 +1,25 @@
 """`brisk chat` in a terminal: driven through a pseudo-terminal as a user
-types (readline, Ctrl-C, pastes), on the bundled SmolLM2."""
+types (readline, Ctrl-C, pastes), on the bundled SmolLM2. Each chat is a
+process of its own, with the terminal as its controlling one (forked from
+one that imported brisklm: tests/forked_brisk.py)."""
 import fcntl
 import json
 import os
 import pty
 import re
 import struct
-import subprocess
-import sys
 import termios
 import threading
 import time
 
 import pytest
 
+import forked_brisk
 from brisklm.checkpoints import read_tokenizer
 
 ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z~]|\x1b[=>]|\r")
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # what a terminal wraps a paste in (bracketed paste)
 UP = "\x1b[A"
-
-
-def _become_the_terminals_session():
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # (so that Ctrl-C on the terminal sends SIGINT, as in a shell)
 
 
 class Terminal:
@@ -32,9 +29,8 @@ class Terminal:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         env = {**os.environ, "TERM": "xterm", "BRISKLM_CACHE": str(cache)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "brisklm", "chat", *flags], stdin=slave, stdout=slave,
-                                     stderr=slave, env=env, start_new_session=True,
-                                     preexec_fn=_become_the_terminals_session)
+        # (its controlling terminal: Ctrl-C on it sends SIGINT, as in a shell)
+        self.proc = forked_brisk.popen(["chat", *flags], env=env, terminal=slave)
         os.close(slave)
         self.master, self.raw, self.seen = master, bytearray(), 0
         threading.Thread(target=self._gather, daemon=True).start()

@@ -1,4 +1,5 @@
-"""The `brisk` command end to end, in subprocesses, on the bundled SmolLM2."""
+"""The `brisk` command end to end, in subprocesses (forked_brisk's: each a
+fresh `python -m brisklm` but for the imports), on the bundled SmolLM2."""
 import os
 import subprocess
 import sys
@@ -6,15 +7,15 @@ import sys
 import pytest
 import torch
 
+import forked_brisk
 from brisklm.checkpoints import load
 from brisklm.checkpoints.native import save_native
 from brisklm.model import build_model
 
 
 def brisk(*args, env=None, input=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "brisklm", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, input=input, timeout=timeout,
-                          stdin=subprocess.DEVNULL if input is None else None)
+    return forked_brisk.run(args, env={**os.environ, **(env or {})}, input=input, timeout=timeout,
+                            stdin=subprocess.DEVNULL if input is None else None)
 
 
 @pytest.mark.slow
@@ -180,15 +181,12 @@ def test_serve_without_the_server_extra_says_how_to_get_it(monkeypatch, capsys):
 def test_flags_take_either_spelling_and_version_answers():
     """--max-new-tokens as --max_new_tokens (as ollama's and llama.cpp's users
     type them); --version says the package's version."""
-    import subprocess
-    import sys
-
     from brisklm import __version__
     from brisklm.cli import build_parser
     args = build_parser().parse_args(["generate", "--max-new-tokens", "5", "--top-p", "0.5", "--checkpoint-path", "m"])
     assert (args.max_new_tokens, args.top_p, args.checkpoint_path) == (5, 0.5, "m")
     assert build_parser().parse_args(["serve", "--api-key", "k"]).api_key == "k"
-    done = subprocess.run([sys.executable, "-m", "brisklm", "--version"], capture_output=True, text=True, timeout=120)
+    done = brisk("--version", timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == f"brisk-lm {__version__}"
 
 

@@ -17,7 +17,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import brisklm  # noqa: E402
+import forked_brisk  # noqa: E402
 from brisklm.checkpoints import load  # noqa: E402
 from brisklm.checkpoints.native import save_native  # noqa: E402
 from brisklm.errors import BriskError  # noqa: E402
@@ -127,8 +127,7 @@ def run_cli(tmp_path, *args) -> subprocess.CompletedProcess:
     """`python -m brisklm ARGS` with a private cache and no way to download anything."""
     env = dict(os.environ, BRISKLM_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
                PIP_NO_INDEX="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "brisklm", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return forked_brisk.run(args, cwd=REPO, env=env, timeout=120)
 
 
 def assert_cli_error(result: subprocess.CompletedProcess, *fragments) -> str:

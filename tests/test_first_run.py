@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import forked_brisk
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK_TRITON = "import sys; sys.modules['triton'] = None  # as on a CPU wheel: `import triton` fails\n"
 
@@ -17,8 +19,8 @@ def python(code, timeout=300, input=None):
 
 
 def brisk(*args, timeout=300, input=None):
-    return python(BLOCK_TRITON + f"from brisklm.cli import main; sys.exit(main({list(args)!r}))",
-                  timeout, input)
+    """`brisk ARGS` where `import triton` fails (forked from a process that blocked it before importing brisklm)."""
+    return forked_brisk.run(args, cwd=REPO, input=input, timeout=timeout, without_triton=True)
 
 
 def one_error_line(done):

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 import brisklm  # noqa: E402
+import forked_brisk  # noqa: E402
 from brisklm.evaluate import negative_log_likelihood  # noqa: E402
 from brisklm.errors import BriskError  # noqa: E402
 from brisklm.harness import BriskLM  # noqa: E402
@@ -214,10 +215,8 @@ def test_brisk_eval_runs_local_multiple_choice_and_generation_tasks(tmp_path, sm
     (tmp_path / "mc.yaml").write_text(MC_TASK.format(data=tmp_path / "mc.jsonl"))
     (tmp_path / "gen.yaml").write_text(GEN_TASK.format(data=tmp_path / "gen.jsonl"))
     out = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, "-m", "brisklm", "eval", "--checkpoint_path", smollm2_gguf,
-                           "--dtype", "float32", "--quantize", "none",
-                           "--tasks", f"{tmp_path / 'mc.yaml'},{tmp_path / 'gen.yaml'}", "--output", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = brisk_eval("--checkpoint_path", smollm2_gguf, "--dtype", "float32", "--quantize", "none",
+                      "--tasks", f"{tmp_path / 'mc.yaml'},{tmp_path / 'gen.yaml'}", "--output", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert 0 <= results["brisk_tiny_mc"]["acc,none"] <= 1
@@ -244,8 +243,7 @@ def test_without_lm_eval_the_command_says_so_in_one_line(tmp_path):
 def test_a_task_file_without_a_name_is_one_line_naming_it(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("dataset_path: json\n")
-    done = subprocess.run([sys.executable, "-m", "brisklm", "eval", "--tasks", str(bad)],
-                          capture_output=True, text=True, timeout=120)
+    done = brisk_eval("--tasks", str(bad))
     assert done.returncode == 2 and "bad.yaml" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -265,8 +263,7 @@ def test_chat_templated_requests_are_rendered_as_lm_evals_hf_renders_them(tiny):
 
 
 def brisk_eval(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "brisklm", "eval", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env={**os.environ, **(env or {})})
+    return forked_brisk.run(["eval", *args], timeout=300, cwd=cwd, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ cache holding it), a tiny Hugging Face model where the README names a folder,
 and a fake hub cache (tests/test_hub.py's layout) for repo ids; no network.
 
 Only what makes a command slow is changed: fewer new tokens, benchmark
-samples and scored tokens, a free port. Commands this machine cannot run are
+samples and scored tokens, a free port; and each is forked from a process
+that imported brisklm once (tests/forked_brisk.py), not started cold. Commands this machine cannot run are
 skipped for the reasons in SKIPPED; the first command (`pip install ... &&
 brisk generate ...`) is CI's smoke step (.ci/run), run verbatim in a fresh
 environment."""
@@ -15,12 +16,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
+import forked_brisk
 from test_hub import add_snapshot, build_fake_hub
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,9 +99,8 @@ def places(tmp_path_factory, smollm2_gguf):
 def saved_bench(places, tmp_path_factory) -> str:
     """A `brisk bench --json` result, for commands that draw saved ones (--from)."""
     path = tmp_path_factory.mktemp("bench") / "result.json"
-    done = subprocess.run([sys.executable, "-m", "brisklm", "bench", "--preset", "smollm2-135m", "--samples", "1",
-                           "--new_tokens", "8", "--prefill", "16", "--context", "32", "--json", str(path)],
-                          env=places[0], capture_output=True, text=True, timeout=300)
+    done = forked_brisk.run(["bench", "--preset", "smollm2-135m", "--samples", "1", "--new_tokens", "8", "--prefill",
+                             "16", "--context", "32", "--json", str(path)], env=places[0], timeout=300)
     assert done.returncode == 0, done.stderr
     return str(path)
 
@@ -108,25 +108,24 @@ def saved_bench(places, tmp_path_factory) -> str:
 def run_readme_command(line, places, cwd, request) -> subprocess.CompletedProcess:
     env, paths = places
     argv = [paths.get(word, word) for word in shlex.split(line, comments=True)]
-    argv = [sys.executable, "-m", "brisklm", *quicker(argv)[1:]]
+    args = quicker(argv)[1:]  # (each run as `python -m brisklm ARGS`, forked_brisk's way)
     (cwd / "my_task.yaml").write_text(TASK)
     (cwd / "my_task.jsonl").write_text(QUESTIONS)
-    if "--from" in argv:
-        for name in argv[argv.index("--from") + 1:]:
+    if "--from" in args:
+        for name in args[args.index("--from") + 1:]:
             if name.startswith("--"):
                 break
             shutil.copyfile(request.getfixturevalue("saved_bench"), cwd / name)
-    if argv[3] == "serve":
-        return serve_until_healthy(argv, env, cwd)
-    stdin = "Hello\n/exit\n" if argv[3] == "chat" else ""
-    return subprocess.run(argv, cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=600)
+    if args[0] == "serve":
+        return serve_until_healthy(args, env, cwd)
+    stdin = "Hello\n/exit\n" if args[0] == "chat" else ""
+    return forked_brisk.run(args, cwd=cwd, env=env, input=stdin, timeout=600)
 
 
-def serve_until_healthy(argv, env, cwd) -> subprocess.CompletedProcess:
+def serve_until_healthy(args, env, cwd) -> subprocess.CompletedProcess:
     """`brisk serve`: up until /health answers, then stopped by SIGTERM."""
-    port = argv[argv.index("--port") + 1]
-    with subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as server:
+    port = args[args.index("--port") + 1]
+    with forked_brisk.popen(args, cwd=cwd, env=env) as server:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and server.poll() is None:
             try:
@@ -138,7 +137,7 @@ def serve_until_healthy(argv, env, cwd) -> subprocess.CompletedProcess:
             server.kill()
         server.send_signal(signal.SIGTERM)
         out, err = server.communicate(timeout=60)
-    return subprocess.CompletedProcess(argv, server.returncode, out, err)
+    return subprocess.CompletedProcess(args, server.returncode, out, err)
 
 
 def reason_skipped(line: str) -> str | None:
