@@ -1,5 +1,6 @@
 """Structured output's cost: decode tokens/s with and without a JSON schema,
-the schemas' compile times, and the host's mask time a token.
+the schemas' compile times, the host's mask time a token, and decoding
+under each schema with prompt lookup's speculation (its output the same).
 
     PYTHONPATH=. python3 benchmarks/constrained.py [--checkpoint_path P] [--device cuda] [--dtype bfloat16]
 
@@ -8,7 +9,9 @@ then under each schema (until the schema is complete or N tokens). The mask
 time is the host's llguidance call alone, timed again over the tokens each
 constrained run made; in the constrained loop it overlaps the device's
 forward (on a GPU), so a decode step costs max(forward, mask) + the masked
-sampling, not their sum.
+sampling, not their sum. With speculation (--draft_tokens, 0: none) each
+verify checks up to that many prompt-lookup drafts the grammar allows, as
+many as pay (the draft policy); JSON repeats its keys, so drafts are kept.
 """
 from __future__ import annotations
 
@@ -51,6 +54,21 @@ def median_rate(llm, ids, n, runs, **constraint) -> tuple[float, int, list[int]]
     return statistics.median(rates), len(made), made
 
 
+def speculative_rate(llm, ids, n, runs, grammar, draft_tokens) -> tuple[float, float, list[int]]:
+    """(median decode tokens/s, tokens a verify forward, the tokens) under
+    grammar with prompt lookup (Generator.tokens with an NgramDrafter)."""
+    from brisklm.sampling import SamplingParams
+    from brisklm.speculative import NgramDrafter
+    gen, rates, made = llm.generator, [], []
+    gen.steps.warm_speculative(draft_tokens + 1, ids)  # (compiled steps: the verify shape, before timing)
+    for _ in range(runs):
+        gen.reset()
+        made = list(gen.tokens(ids, n, SamplingParams(), stop_ids=llm.tokenizer.eos_ids, drafter=NgramDrafter(),
+                               draft_tokens=draft_tokens, constraint=grammar.constraint()))
+        rates.append(gen.stats.decode_tokens_per_s)
+    return statistics.median(rates), gen.stats.tokens_per_step, made
+
+
 def mask_times_us(llm, grammar, tokens: list[int]) -> list[float]:
     """The host's mask call for each token of a run, replayed on a fresh constraint."""
     c = grammar.constraint()
@@ -75,6 +93,7 @@ def main():
     p.add_argument("--dtype", default=None)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3, help="the figure is their median")
+    p.add_argument("--draft_tokens", type=int, default=4, help="prompt lookup's drafts a verify at most (0: none)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = p.parse_args()
     llm = brisklm.load(args.checkpoint_path, device=args.device, dtype=args.dtype, quiet=True, preset=args.preset)
@@ -97,21 +116,28 @@ def main():
         compile_ms = (time.perf_counter() - t0) * 1e3
         rate, n, made = median_rate(llm, ids, args.max_new_tokens, args.runs, grammar=grammar)
         masks = sorted(mask_times_us(llm, grammar, made))
-        out["schemas"][name] = {
+        if args.draft_tokens:
+            spec, per_step, spec_made = speculative_rate(llm, ids, args.max_new_tokens, args.runs, grammar,
+                                                         args.draft_tokens)
+            out["schemas"][name] = {"speculative_tokens_per_s": round(spec, 2), "tokens_per_step": round(per_step, 2),
+                                    "speculative_same_tokens": spec_made == made}
+        out["schemas"].setdefault(name, {}).update({
             "compile_ms": round(compile_ms, 2), "tokens": n, "tokens_per_s": round(rate, 2),
             "vs_unconstrained": round(rate / plain, 3) if plain else None,
             "mask_us_median": round(statistics.median(masks), 1) if masks else None,
-            "mask_us_p99": round(masks[min(len(masks) - 1, int(0.99 * len(masks)))], 1) if masks else None}
+            "mask_us_p99": round(masks[min(len(masks) - 1, int(0.99 * len(masks)))], 1) if masks else None})
     if args.json:
         print(json.dumps(out))
         return
     print(f"{out['model']} on {out['device']} ({out['dtype']}): unconstrained {plain:.1f} tokens/s "
           f"({n_plain} tokens); vocabulary read by llguidance in {vocabulary_s:.2f} s")
     print(f"{'schema':<12} {'compile ms':>10} {'tokens':>7} {'tokens/s':>9} {'vs plain':>9} {'mask us p50':>12} "
-          f"{'p99':>7}")
+          f"{'p99':>7}" + (f" {'spec tok/s':>10} {'tok/step':>9} {'same':>5}" if args.draft_tokens else ""))
     for name, r in out["schemas"].items():
+        spec = (f" {r['speculative_tokens_per_s']:>10.1f} {r['tokens_per_step']:>9.2f} "
+                f"{str(r['speculative_same_tokens']):>5}") if args.draft_tokens else ""
         print(f"{name:<12} {r['compile_ms']:>10.2f} {r['tokens']:>7} {r['tokens_per_s']:>9.1f} "
-              f"{r['vs_unconstrained']:>9.3f} {r['mask_us_median']:>12.1f} {r['mask_us_p99']:>7.1f}")
+              f"{r['vs_unconstrained']:>9.3f} {r['mask_us_median']:>12.1f} {r['mask_us_p99']:>7.1f}" + spec)
 
 
 if __name__ == "__main__":

@@ -158,6 +158,14 @@ class LLM:
         return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed, self.drafter,
                                      self.draft_tokens, constraint=constraint and constraint.constraint())
 
+    def remember_requests(self):
+        """Prompt lookup (speculate="ngram") drafts from earlier requests'
+        prompts and outputs too, a bounded memory of them (brisk serve, brisk
+        chat: agentic and repeated-edit work reuses its own earlier text)."""
+        from .speculative import NgramDrafter
+        if isinstance(self.drafter, NgramDrafter):
+            self.drafter.remember = True
+
     def check(self, prompt_ids: list[int], max_new_tokens: int):
         """A BriskError for a request this model cannot serve; one too long
         for the KV cache says what would make it fit."""

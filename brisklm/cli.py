@@ -425,6 +425,7 @@ def cmd_chat(args):
     from .repl import chat
     _check_sampling(args)
     llm = _load(args)
+    llm.remember_requests()  # (prompt lookup drafts from the earlier turns' text too, after a /reset as well)
     llm.require_tokenizer()  # no tokenizer (a preset): say so now, not after the first message
     start = [{"role": "system", "content": args.system}] if args.system else []
     # (the prefill graphs of longer prompts are captured while the user types: repl.chat)

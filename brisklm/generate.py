@@ -54,6 +54,8 @@ class GenerationStats:
     weight_bytes: int = 0
     target_steps: int = 0  # speculative decoding: verify forwards after the first token
     drafted_steps: int = 0  # ... of which checked drafts (the rest: plain steps, where drafts did not pay)
+    drafts: int = 0  # draft tokens checked
+    kept_drafts: int = 0  # ... of which the target kept
 
     @property
     def tokens_per_step(self) -> float:
@@ -113,7 +115,7 @@ class Generator:
         stats = self.stats
         history = [*prompt_ids, first]
         stats.prefill_s, stats.new_tokens = time.perf_counter() - t0, 1
-        t_decode = time.perf_counter()
+        self.t_decode = time.perf_counter()
         drafter.kept(len(prompt_ids))
         yield first
         if first in stop:
@@ -132,33 +134,83 @@ class Generator:
             drafts, q = drafter.propose(history, n, params, self.logits) if n else ([], None)
             if drafts:
                 drafts, emitted = self._verify(history, drafts, q, params, constraint)
-            if drafts:
-                steps = 1
-            else:  # nothing to check: plain decoding's own steps, queued ahead as its loop does,
-                # as many as the policy will not draft for (one where a drafter found nothing)
-                steps = min(policy.plain_steps() if policy and not n else 1, room + 1)
-                emitted = []
-                for value in self._plain_run(history[-1], here, steps, settings, constraint):
-                    emitted.append(value)
-                    if value in stop:
-                        break
+            if not drafts:  # nothing to check: plain decoding's own steps, queued ahead as its loop does
+                if policy and policy.free_judging and not n and 0 in policy.cost and constraint is None:
+                    run = self._judged_run(history, room, policy, drafter, settings, stop, constraint, t_step)
+                else:  # (as many as the policy will not draft for; one where a drafter found nothing)
+                    steps = min(policy.plain_steps() if policy and not n else 1, room + 1)
+                    run = self._plain_steps(history, steps, policy, drafter, settings, stop, constraint, t_step)
+                if (yield from run):
+                    return
+                continue
             if policy:
-                seconds = self._agreed(time.perf_counter() - t_step)
-                policy.update(len(drafts), len(emitted) - 1 if drafts else 0, seconds, steps=steps)
-            stats.target_steps += 1 if drafts else len(emitted)
-            stats.drafted_steps += bool(drafts)
+                policy.update(len(drafts), len(emitted) - 1, self._agreed(time.perf_counter() - t_step))
+            stats.target_steps += 1
+            stats.drafted_steps += 1
+            stats.drafts += len(drafts)
+            stats.kept_drafts += len(emitted) - 1
             drafter.kept(here + len(emitted))  # the newest token and the kept drafts hold their keys
             self.cached = history + emitted[:-1]  # (the last emitted token is not in the cache yet)
             for value in emitted:
-                history.append(value)
-                stats.new_tokens += 1
-                stats.decode_s = time.perf_counter() - t_decode
-                yield value
-                if value in stop:
-                    self.cached = history[:-1]
+                if (yield from self._emit(history, value, stop)):
                     return
-            if policy and policy.free_judging and not drafts and emitted:  # what drafting would have kept
-                policy.observe(*drafter.judge(history, len(history) - len(emitted), policy.max_k))
+
+    def _emit(self, history: list[int], value: int, stop) -> Iterator[int]:
+        """Yield a speculative loop's token; True where it ends the generation."""
+        history.append(value)
+        self.stats.new_tokens += 1
+        self.stats.decode_s = time.perf_counter() - self.t_decode
+        yield value
+        if value in stop:
+            self.cached = history[:-1]
+            return True
+        return False
+
+    def _plain_steps(self, history, steps, policy, drafter, settings, stop, constraint, t_step):
+        """`steps` plain steps, then their drafts judged where the drafter
+        judges for free; True where the generation ended."""
+        here = len(history) - 1
+        emitted = []
+        for value in self._plain_run(history[-1], here, steps, settings, constraint):
+            emitted.append(value)
+            if value in stop:
+                break
+        if policy:
+            policy.update(0, 0, self._agreed(time.perf_counter() - t_step), steps=steps)
+        self.stats.target_steps += len(emitted)
+        drafter.kept(here + len(emitted))
+        self.cached = history + emitted[:-1]
+        for value in emitted:
+            if (yield from self._emit(history, value, stop)):
+                return True
+        if policy and policy.free_judging and emitted:  # what drafting would have kept
+            policy.observe(*drafter.judge(history, len(history) - len(emitted), policy.max_k))
+        return False
+
+    def _judged_run(self, history, room, policy, drafter, settings, stop, constraint, t_step):
+        """Plain steps for a drafter that judges its drafts for free (prompt
+        lookup): each token judged as it comes, while the device runs the
+        next step, and the run left once drafting would pay (the step queued
+        then is wasted), so that text where drafts fail decodes as plainly as
+        without a drafter; True where the generation ended. (Not under a
+        constraint: its matcher has taken the wasted step's token.)"""
+        k, judged_to, made, waited = policy.max_k, len(history), 0, 0.0
+        for value in self._plain_run(history[-1], len(history) - 1, room + 1, settings, constraint):
+            made += 1
+            self.stats.target_steps += 1
+            t_out = time.perf_counter()
+            if (yield from self._emit(history, value, stop)):
+                return True
+            waited += time.perf_counter() - t_out  # (the consumer's time is not the step's)
+            if len(history) - k > judged_to:  # (a position is judged once k tokens follow it)
+                policy.observe(*drafter.judge(history, judged_to, k, end=len(history) - k))
+                judged_to = len(history) - k
+                if made < room + 1 and policy.pays(room - made):
+                    break
+        policy.update(0, 0, self._agreed(time.perf_counter() - t_step - waited), steps=made)
+        drafter.kept(len(history) - 1)
+        self.cached = history[:-1]  # (the newest token is not in the cache yet)
+        return False
 
     def _verify(self, history: list[int], drafts: list[int], q, params, constraint) -> tuple[list[int], list[int]]:
         """One verify forward of the newest token and drafts -> (the drafts

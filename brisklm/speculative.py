@@ -17,8 +17,11 @@ writes them at every position it reads, and positions past the kept tokens
 are written again before anything attends to them.
 
 Drafters:
-  NgramDrafter: prompt lookup, the continuation of the latest earlier
-                occurrence of the last n tokens (n = 3 down to 1).
+  NgramDrafter: prompt lookup, the continuation of the longest context
+                ending the history that occurred before (a hash table per
+                context length, kept as the history grows), as often seen
+                and as long as its repeats agreed; optionally from earlier
+                runs' texts too (SuffixDecoding, Oliaro et al. 2024).
   ModelDrafter: a model run token by token, either the target's first
                 `depth` layers with its final norm and output layer (sharing
                 the target's weights and those layers' cache), or a smaller
@@ -35,45 +38,172 @@ import torch
 from .model import Transformer, cached_prefix
 from .sampling import SamplingParams, logits_to_probs, sample
 
+CONTEXTS = (16, 12, 8, 6, 4, 3, 2, 1)  # context lengths looked up, longest first
+CANDIDATES = 4  # earlier occurrences of the matched context weighed (the latest ones)
+BOUNDARY = -1  # between texts of one index: no context spans it, no draft crosses it
+
+
+class TokenIndex:
+    """Texts of tokens (joined by BOUNDARY) indexed by context: for each n in
+    CONTEXTS, a hash table from the n tokens before a position to the latest
+    such position, and for each position the one before it after the same n
+    tokens (a chain, so the earlier occurrences come at no search). Indexing
+    a position costs one table update per n however long the text; a lookup,
+    one read per n and a walk of CANDIDATES links. The tables hold hashes,
+    not tuples: no garbage for the collector to trace, and a rare collision
+    only costs a draft."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.indexed = 1  # positions below this are indexed (position 0 has no context)
+        self.start = 0  # where the text being indexed starts (after the latest boundary)
+        # per n: the hash of the n tokens before p -> the latest p, and p -> the p before it
+        # after the same n tokens (or -1)
+        self.levels = [(n, {}, [-1]) for n in CONTEXTS]
+
+    def index(self, end: int):
+        """Index the positions below end (each a token after its context)."""
+        tokens, levels = self.tokens, self.levels
+        for p in range(self.indexed, end):
+            if tokens[p - 1] == BOUNDARY:
+                self.start = p
+            window = tuple(tokens[max(self.start, p - CONTEXTS[0]):p])
+            usable = 0 if tokens[p] == BOUNDARY else len(window)
+            for n, latest, chain in levels:
+                if n > usable:
+                    chain.append(-1)
+                    continue
+                key = hash(window[-n:])
+                chain.append(latest.get(key, -1))
+                latest[key] = p
+        self.indexed = max(self.indexed, end)
+
+    def occurrences(self, level: int, key: int, limit: int) -> list[int]:
+        """The latest CANDIDATES positions below limit after the tokens hashed
+        as key (CONTEXTS[level] of them), latest first."""
+        _, latest, chain = self.levels[level]
+        found, p = [], latest.get(key, -1)
+        while p >= 0 and len(found) < CANDIDATES:
+            if p < limit:
+                found.append(p)
+            p = chain[p]
+        return found
+
+    def continuation(self, p: int, k: int, limit: int) -> list[int]:
+        """Up to k tokens from position p, not past limit nor a boundary."""
+        run = self.tokens[p:min(p + k, limit)]
+        return run[:run.index(BOUNDARY)] if BOUNDARY in run else run
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    same = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        same += 1
+    return same
+
+
+def likeliest(runs: list[list[int]]) -> list[int]:
+    """The draft from the continuations of a context's earlier occurrences
+    (latest first): the latest of those whose first token followed the
+    context most often, cut one token past the longest that it agreed with
+    another occurrence's continuation. A context seen once drafts all of its
+    continuation; one whose repeats parted at once, a single token."""
+    runs = [r for r in runs if r]
+    if len(runs) < 2:
+        return runs[0] if runs else []
+    firsts = [r[0] for r in runs]
+    best = max(runs, key=lambda r: firsts.count(r[0]))  # (max keeps the first of ties: the latest)
+    others = [r for r in runs if r is not best]
+    if not others:
+        return best
+    return best[:1 + max(agreement(best, r) for r in others)]
+
 
 class NgramDrafter:
-    """Prompt lookup: no second model.
+    """Prompt lookup: no second model. The draft continues the longest
+    context (of CONTEXTS' lengths) ending the history that occurred before,
+    from its latest occurrences (TokenIndex, updated as the history grows:
+    a step's lookup costs the same at any length): the continuation seen
+    most often, as long as earlier repeats of the context kept agreeing
+    (likeliest).
 
-    Every n-gram of the history (n <= max_n) that has a token after it is
-    kept in a dict with the position of its latest continuation, updated as
-    the history grows, so a step's lookup costs max_n dict reads, not a scan
-    of the history (0.5 ms of Python for 1,000 tokens: half a decode step of
-    a small model on a GPU)."""
+    remember: also draft from earlier runs' histories (their prompts and
+    outputs, as SuffixDecoding does: a server's agentic or repeated-edit
+    requests reuse their own earlier text), about MEMORY_TOKENS of the
+    latest: two indexes, the older dropped whole when the newer fills
+    half. The current history's own occurrences are the latest, so they win
+    ties; a chat's next turn, which repeats the last one, extends its text
+    rather than copying it."""
 
-    def __init__(self, max_n: int = 3):
-        self.max_n = max_n
-        self.history, self.indexed, self.latest = None, 0, {}
+    MEMORY_TOKENS = 1 << 15
+
+    def __init__(self, remember: bool = False):
+        self.remember = remember
+        self.index, self.earlier = TokenIndex(), None
+        self.history, self.offset = None, 0  # history[i] is self.index.tokens[self.offset + i]
 
     def propose(self, history: list[int], k: int, params: SamplingParams, run=None):
         """Up to k tokens following history, and None (the proposal is one-hot)."""
         return self._lookup(history, len(history), k), None
 
+    def _follow(self, history: list[int], end: int):
+        """Make the index hold history[:end] and the positions before it."""
+        if history is not self.history or len(history) < len(self.index.tokens) - self.offset:
+            self._start(history)
+        tokens = self.index.tokens
+        have = len(tokens) - self.offset
+        if have < end:
+            tokens.extend(history[have:end])
+        self.index.index(self.offset + end)
+
+    def _start(self, history: list[int]):
+        """A new run's history: a fresh index, or (remembering) the next text of this one."""
+        if not self.remember:
+            self.index, self.offset, self.history = TokenIndex(), 0, history
+            return
+        tokens = self.index.tokens
+        if self.history is not None:  # (the last run's tokens after its last lookup)
+            tokens.extend(self.history[len(tokens) - self.offset:])
+        last, self.history = tokens[self.offset:], history
+        if last and history[:len(last)] == last:  # (it continues the last text: a chat's next turn)
+            return
+        if len(tokens) > self.MEMORY_TOKENS // 2:
+            self.index.index(len(tokens))
+            self.earlier, self.index = self.index, TokenIndex()
+            tokens = self.index.tokens
+        if tokens:
+            tokens.append(BOUNDARY)
+        self.offset = len(tokens)
+
     def _lookup(self, history: list[int], end: int, k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix of history[:end] seen before in it."""
-        if history is not self.history or end < self.indexed:  # another run: index anew
-            self.history, self.indexed, self.latest = history, 0, {}
-        for last in range(self.indexed, end - 1):  # n-grams ending there, continued at last + 1
-            for n in range(1, min(self.max_n, last + 1) + 1):
-                self.latest[tuple(history[last - n + 1:last + 1])] = last + 1
-        self.indexed = max(self.indexed, end - 1)
-        for n in range(min(self.max_n, end - 1), 0, -1):  # the longest suffix seen before
-            at = self.latest.get(tuple(history[end - n:end]))
-            if at is not None:
-                return history[at:min(at + k, end)]
+        """The draft of up to k tokens after history[:end]."""
+        self._follow(history, end)
+        limit = self.offset + end  # (the current text's positions past it are not known yet at end)
+        window = tuple(history[max(0, end - CONTEXTS[0]):end])
+        indexes = [(self.index, limit)]
+        if self.earlier is not None:
+            indexes.append((self.earlier, len(self.earlier.tokens)))
+        for level, n in enumerate(CONTEXTS):
+            if n > len(window):
+                continue
+            key, runs = hash(window[-n:]), []
+            for index, stop in indexes:
+                if len(runs) < CANDIDATES and key in index.levels[level][1]:
+                    runs += [index.continuation(p, k, stop) for p in index.occurrences(level, key, stop)]
+            if runs:
+                return likeliest(runs[:CANDIDATES])
         return []
 
-    def judge(self, history: list[int], first: int, k: int) -> tuple[int, int]:
+    def judge(self, history: list[int], first: int, k: int, end: int | None = None) -> tuple[int, int]:
         """(drafts judged, drafts kept) had k drafts been proposed before each of
-        history[first:] (tokens plain decoding made): the chance of keeping a
-        draft, learnt for free while decoding plainly. As in a verify step, a
+        history[first:end] (tokens plain decoding made): the chance of keeping
+        a draft, learnt for free while decoding plainly. As in a verify step, a
         proposal's first wrong draft ends its judging."""
         judged = kept = 0
-        for at in range(first, len(history)):
+        for at in range(first, len(history) if end is None else end):
             drafts = self._lookup(history, at, k)
             right = next((i for i, (d, t) in enumerate(zip(drafts, history[at:])) if d != t),
                          min(len(drafts), len(history) - at))
@@ -253,6 +383,12 @@ class DraftPolicy:
                 return 1
             self.run = wait - self.since_probe
         return best
+
+    def pays(self, room: int) -> bool:
+        """Whether drafting now would give more tokens a second than plain steps
+        (a free-judging drafter's plain run asks as its tokens are judged)."""
+        return any(self.expected_tokens(k) / self.step_cost(k) > 1 / self.cost[0]
+                   for k in range(1, min(self.max_k, room) + 1))
 
     def plain_steps(self) -> int:
         """Where choose() gave 0: the plain steps to take before asking again

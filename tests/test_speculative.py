@@ -12,7 +12,8 @@ from brisklm.generate import Generator
 from brisklm.steps import forward
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams, logits_to_probs
-from brisklm.speculative import DraftPolicy, ModelDrafter, NgramDrafter
+from brisklm.speculative import (CANDIDATES, CONTEXTS, DraftPolicy, ModelDrafter, NgramDrafter, agreement,
+                                 likeliest)
 
 TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
@@ -90,27 +91,138 @@ def test_speculation_with_an_int8_kv_cache_equals_plain_decoding_with_it():
         assert list(spec.tokens(PROMPTS[0], 30, GREEDY, drafter=drafters(spec.model, kind))) == want
 
 
-def test_prompt_lookup_proposes_the_latest_continuation_of_the_longest_suffix():
-    propose = NgramDrafter().propose
-    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3, GREEDY) == ([7, 5, 2], None)  # "2 3" last seen before 7
-    assert propose([4, 1, 2, 3, 4], 2, GREEDY) == ([1, 2], None)  # only "4" recurs
-    assert propose([1, 2, 3], 4, GREEDY) == ([], None)
+def test_prompt_lookup_drafts_from_the_longest_context_seen_before():
+    # "2 3 4 5" (a context of 4) was followed by 9; "3 4 5", seen later, by 7
+    assert NgramDrafter().propose([1, 2, 3, 4, 5, 9, 3, 4, 5, 7, 1, 2, 3, 4, 5], 4, GREEDY) == ([9, 3, 4, 5], None)
+    assert NgramDrafter().propose([4, 1, 2, 3, 4], 2, GREEDY) == ([1, 2], None)  # only "4" recurs
+    assert NgramDrafter().propose([1, 2, 3], 4, GREEDY) == ([], None)
+
+
+def test_prompt_lookup_drafts_the_continuation_seen_most_often_as_far_as_its_repeats_agreed():
+    # "1 2" was followed by 8 twice, then by 7: the latest 8's run, to one past where it left the other 8's
+    assert NgramDrafter().propose([1, 2, 8, 5, 1, 2, 8, 6, 1, 2, 7, 0, 1, 2], 3, GREEDY) == ([8, 6], None)
+    # "9 8" was followed by "1 2 3 4", then "1 2 5 5": they agreed for two tokens
+    assert NgramDrafter().propose([9, 8, 1, 2, 3, 4, 7, 9, 8, 1, 2, 5, 5, 6, 9, 8], 4, GREEDY) == ([1, 2, 5], None)
+    assert likeliest([[3, 4, 5]]) == [3, 4, 5]  # a context seen once: all its continuation
+    assert likeliest([[3, 4], [6, 4], [7, 4]]) == [3]  # repeats that parted at once: the latest, one token
+
+
+def scan(history: list[int], end: int, k: int, texts=()) -> list[int]:
+    """Prompt lookup by its definition, searching the whole history (and the
+    earlier texts, after it) for the latest CANDIDATES occurrences of the
+    longest context of CONTEXTS' lengths that ends history[:end]."""
+    for n in CONTEXTS:
+        if n > end:
+            continue
+        context = history[end - n:end]
+        runs = [history[p:min(p + k, end)] for p in range(end - 1, n - 1, -1) if history[p - n:p] == context]
+        for text in reversed(texts):
+            runs += [text[p:p + k] for p in range(len(text) - 1, n - 1, -1) if text[p - n:p] == context]
+        if runs:
+            return likeliest(runs[:CANDIDATES])
+    return []
+
+
+def random_text(rng, length, vocab=6):
+    text = [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+    while len(text) < length:
+        text.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
+    return text
 
 
 def test_prompt_lookup_indexed_as_the_history_grows_finds_what_a_scan_finds():
-    def scan(history, k, max_n=3):  # the definition: the latest earlier occurrence of the longest suffix
-        for n in range(min(max_n, len(history) - 1), 0, -1):
-            for start in range(len(history) - n - 1, -1, -1):
-                if history[start:start + n] == history[-n:]:
-                    return history[start + n:start + n + k]
-        return []
     rng = random.Random(0)
     drafter = NgramDrafter()
     for run in range(20):
-        history = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
-        while len(history) < 60:
-            assert drafter.propose(history, 4, GREEDY)[0] == scan(history, 4), (run, history)
+        history = random_text(rng, rng.randrange(1, 5), vocab=rng.choice([3, 6, 20]))
+        while len(history) < 80:
+            assert drafter.propose(history, 4, GREEDY)[0] == scan(history, len(history), 4), (run, history)
             history.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
+def judged_by_scan(history: list[int], first: int, k: int, texts=(), end=None) -> tuple[int, int]:
+    """NgramDrafter.judge by its definition: scan's drafts before each of history[first:end]."""
+    judged = kept = 0
+    for at in range(first, len(history) if end is None else end):
+        drafts = scan(history, at, k, texts)
+        right = agreement(drafts, history[at:])
+        kept += right
+        judged += right + (right < len(drafts) and at + right < len(history))
+    return judged, kept
+
+
+def test_remembering_prompt_lookup_drafts_and_judges_from_earlier_runs_as_a_scan_of_them_does():
+    """Each run's history is a new text, or (a chat's next turn) the last one
+    continued; it grows by drafting steps and by runs of plain steps that
+    are judged. The earlier texts are looked up after the current one (a
+    run's last tokens, after its last lookup, too)."""
+    rng = random.Random(1)
+    drafter, texts = NgramDrafter(remember=True), []
+    for run in range(40):
+        if texts and rng.random() < 0.3:  # the last text and more, kept as one text
+            history = texts.pop() + random_text(rng, 3)
+        else:
+            history = random_text(rng, rng.randrange(1, 8), vocab=8)
+        for step in range(rng.randrange(1, 8)):
+            if rng.random() < 0.5:
+                assert drafter.propose(history, 4, GREEDY)[0] == scan(history, len(history), 4, texts), (run, history)
+                history.append(rng.randrange(8))
+            else:
+                first = len(history)
+                history += random_text(rng, rng.randrange(1, 6), vocab=8)
+                assert drafter.judge(history, first, 4) == judged_by_scan(history, first, 4, texts), (run, history)
+        texts.append(history)
+    assert not NgramDrafter().propose([7, 1], 2, GREEDY)[0]
+    assert drafter.propose([7, 1, *texts[-1][:3]], 2, GREEDY)[0]
+
+
+def test_judging_as_tokens_come_judges_each_position_once_k_tokens_follow_it():
+    """A plain run's judging (Generator._judged_run): the positions up to k
+    tokens before the newest, as each token comes, sum to a judging of the
+    whole run at its end but for its last k positions."""
+    rng = random.Random(2)
+    history = random_text(rng, 30, vocab=5)
+    first, drafter, judged_to, total = len(history), NgramDrafter(), len(history), [0, 0]
+    for _ in range(40):
+        history.append(rng.randrange(5))
+        if len(history) - 4 > judged_to:
+            for i, n in enumerate(drafter.judge(history, judged_to, 4, end=len(history) - 4)):
+                total[i] += n
+            judged_to = len(history) - 4
+    assert tuple(total) == judged_by_scan(history, first, 4, end=len(history) - 4)
+
+
+def test_a_chat_turn_that_continues_the_last_text_is_indexed_once():
+    drafter = NgramDrafter(remember=True)
+    turn = [1, 2, 3, 4, 5, 6]
+    for _ in range(5):
+        drafter.propose(turn, 4, GREEDY)
+        turn = turn + [7, 8, 9]
+    drafter.propose(turn, 4, GREEDY)
+    assert drafter.index.tokens == turn
+
+
+def test_the_memory_of_earlier_runs_is_bounded():
+    drafter, rng = NgramDrafter(remember=True), random.Random(2)
+    drafter.MEMORY_TOKENS = 400
+    for run in range(60):
+        history = random_text(rng, 50, vocab=100)
+        drafter.propose(history, 4, GREEDY)
+        held = len(drafter.index.tokens) + len(drafter.earlier.tokens if drafter.earlier else [])
+        assert held <= drafter.MEMORY_TOKENS + 2 * len(history), (run, held)
+    assert drafter.propose(history[:-1] + [history[5]], 4, GREEDY)[0]  # (the current run's text is held)
+
+
+def test_remembering_prompt_lookup_gives_the_plain_greedy_output_run_after_run():
+    """A prompt asked again (a retried or repeated request): its second
+    output is drafted from the first, and stays the plain output."""
+    plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128)
+    drafter, steps = NgramDrafter(remember=True), []
+    for prompt in PROMPTS + PROMPTS:
+        want = list(plain.tokens(prompt, 40, GREEDY))
+        assert list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=4, adapt_drafts=False)) == want
+        steps.append(spec.stats.target_steps)
+    assert all(again <= 12 < first for first, again in zip(steps, steps[3:])), steps  # (39 tokens, 4 drafts a step)
 
 
 def wilson_hilferty(df: int, z: float = 3.09) -> float:
