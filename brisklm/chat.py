@@ -19,6 +19,12 @@ def _raise(message):
     raise ValueError(f"chat template: {message}")
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson: plain JSON text (jinja2's own is HTML-safe markup,
+    which escapes the text a template adds to it: `'...' + x | tojson`)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def render(template: str | None, messages: list[dict], add_generation_prompt: bool = True,
            bos_token: str = "", eos_token: str = "", tools: list[dict] | None = None) -> str:
     import jinja2
@@ -31,6 +37,7 @@ def render(template: str | None, messages: list[dict], add_generation_prompt: bo
                                         extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
     try:
         tmpl = env.from_string(template or CHATML)
         extra = {"tools": tools} if tools else {}  # (templates test `tools is defined`)
@@ -218,22 +225,271 @@ def _partial_suffix(text: str, tag: str) -> int:
     return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
 
-def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True) -> str:
-    """A Lark grammar (llguidance's, with embedded JSON schemas) of a reply
-    that is only calls in the Hermes layout: to the function `name`, or to
-    any of `tools`, each call's arguments valid against that function's
-    parameters; one call, or one or more where parallel."""
-    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+def lark_text(text: str, tokenizer=None) -> str:
+    """A grammar's term for text: the special token it is, by id, where the
+    tokenizer has one (llguidance's matcher takes a special token only so),
+    else the literal text."""
+    if tokenizer is not None and tokenizer.backend.special_pattern().fullmatch(text):
+        ids = tokenizer.encode(text, add_bos=False)
+        if len(ids) == 1:
+            return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
+def call_schema(tools: list[dict], name: str | None = None, key: str = "arguments") -> dict:
+    """The JSON schema of one call, {"name", key}: to the function `name`, or
+    to any of `tools`, with that function's parameters under key."""
     options, defs = [], {}
-    for f in functions:
+    for f in (t["function"] for t in tools if name is None or t["function"]["name"] == name):
         parameters = dict(f.get("parameters") or {"type": "object"})
-        for key in ("$defs", "definitions"):  # ("#/$defs/..." refers to the root: moved there)
-            defs.setdefault(key, {}).update(parameters.pop(key, {}))
-        options.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+        for k in ("$defs", "definitions"):  # ("#/$defs/..." refers to the root: moved there)
+            defs.setdefault(k, {}).update(parameters.pop(k, {}))
+        options.append({"type": "object", "properties": {"name": {"const": f["name"]}, key: parameters},
+                        "required": ["name", key], "additionalProperties": False})
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    schema = {**schema, **{k: v for k, v in defs.items() if v}, "x-guidance": {"whitespace_flexible": False}}
+    return {**schema, **{k: v for k, v in defs.items() if v}, "x-guidance": {"whitespace_flexible": False}}
+
+
+def tool_call_grammar(tools: list[dict], name: str | None = None, parallel: bool = True, tokenizer=None) -> str:
+    """A Lark grammar (llguidance's, with embedded JSON schemas) of a reply
+    that is only calls in the Hermes layout (call_schema's, one call, or one
+    or more where parallel)."""
     calls = 'call ("\\n" call)*' if parallel else "call"
+    opened, closed = lark_text(TOOL_CALL_OPEN, tokenizer), lark_text(TOOL_CALL_CLOSE, tokenizer)
     return (f"start: {calls}\n"
-            f'call: "{TOOL_CALL_OPEN}\\n" body "\\n{TOOL_CALL_CLOSE}"\n'
-            f"body: %json {json.dumps(schema)}\n")
+            f'call: {opened} "\\n" body "\\n" {closed}\n'
+            f"body: %json {json.dumps(call_schema(tools, name))}\n")
+
+
+# --- other families' tool-call syntaxes, chosen by the chat template -------------------
+# Llama 3.1 replies with the call's JSON itself, {"name", "parameters"} (after
+# <|python_tag|> when it calls a built-in tool), several separated by "; ";
+# Mistral with [TOOL_CALLS] and a JSON list of {"name", "arguments"}. Both run
+# from their start to the reply's end.
+
+PYTHON_TAG, MISTRAL_TAG = "<|python_tag|>", "[TOOL_CALLS]"
+
+
+def _json_values(text: str, separator: str) -> list | None:
+    """The JSON values text holds one after another (separator and spaces
+    between them), or None where it holds anything else."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return values or None
+        if values and text.startswith(separator, at):
+            at += len(separator)
+            continue
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def _calls_of(values, names) -> list[dict] | None:
+    calls = [_call(json.dumps(v), names) for v in values]
+    return calls if calls and None not in calls else None
+
+
+class HermesSyntax:
+    """<tool_call> blocks of {"name", "arguments"} (Qwen 2.5 and 3, SmolLM3, Hermes; our default)."""
+    name = "hermes"
+
+    def parse(self, text: str, names=None) -> tuple[str, list[dict]]:
+        return parse_tool_calls(text, names)
+
+    def splitter(self, names=None) -> "ToolCallSplitter":
+        return ToolCallSplitter(names)
+
+    def grammar(self, tools: list[dict], name: str | None = None, parallel: bool = True, tokenizer=None) -> str:
+        return tool_call_grammar(tools, name, parallel, tokenizer)
+
+
+class TrailingCallSyntax:
+    """A syntax whose calls run from a trigger to the end of the reply."""
+    name, trigger, separator, key = "", "", "", "arguments"
+    anywhere = True  # whether text may come before the trigger
+
+    def start(self, text: str) -> int:
+        """Where the calls begin in text (-1: not, or not yet)."""
+        return text.find(self.trigger)
+
+    def held(self, text: str) -> int:
+        """How many characters at text's end could still begin the calls."""
+        return _partial_suffix(text, self.trigger)
+
+    def body(self, text: str) -> list | None:
+        """The calls' JSON values in the text from the trigger on."""
+        return _json_values(text[len(self.trigger):], self.separator)
+
+    def parse(self, text: str, names=None) -> tuple[str, list[dict]]:
+        at = self.start(text)
+        values = self.body(text[at:]) if at >= 0 else None
+        calls = values is not None and _calls_of(values, names)
+        return (text[:at].strip(), calls) if calls else (text, [])
+
+    def splitter(self, names=None) -> "TrailingCallSplitter":
+        return TrailingCallSplitter(self, names)
+
+class Llama3Syntax(TrailingCallSyntax):
+    """Llama 3.1-3.3: the reply is the calls' JSON, {"name", "parameters"}, "; " between calls."""
+    name, trigger, separator, key = "llama3_json", PYTHON_TAG, ";", "parameters"
+    anywhere = False
+
+    def start(self, text: str) -> int:
+        head = text.lstrip()
+        return len(text) - len(head) if head.startswith((PYTHON_TAG, "{")) else -1
+
+    def held(self, text: str) -> int:
+        head = text.lstrip()
+        return len(text) if PYTHON_TAG.startswith(head) else 0
+
+    def body(self, text: str) -> list | None:
+        return _json_values(text[len(PYTHON_TAG):] if text.startswith(PYTHON_TAG) else text, self.separator)
+
+    def grammar(self, tools: list[dict], name: str | None = None, parallel: bool = True, tokenizer=None) -> str:
+        calls = 'call ("; " call)*' if parallel else "call"
+        return f"start: {calls}\ncall: %json {json.dumps(call_schema(tools, name, self.key))}\n"
+
+
+class MistralSyntax(TrailingCallSyntax):
+    """Mistral (v0.3 and its kin): [TOOL_CALLS] then a JSON list of {"name", "arguments"}."""
+    name, trigger, separator, key = "mistral", MISTRAL_TAG, ",", "arguments"
+
+    def body(self, text: str) -> list | None:
+        values = _json_values(text[len(self.trigger):], self.separator)
+        if values and all(isinstance(v, list) for v in values):  # (a list of calls; a bare call as well)
+            values = [c for v in values for c in v]
+        return values
+
+    def grammar(self, tools: list[dict], name: str | None = None, parallel: bool = True, tokenizer=None) -> str:
+        items = {"type": "array", "items": call_schema(tools, name, self.key), "minItems": 1,
+                 "x-guidance": {"whitespace_flexible": False}}
+        if not parallel:
+            items["maxItems"] = 1
+        return f"start: {lark_text(MISTRAL_TAG, tokenizer)} body\nbody: %json {json.dumps(items)}\n"
+
+
+class TrailingCallSplitter:
+    """ToolCallSplitter's events for a TrailingCallSyntax: text flows as
+    content until the calls begin (text that could begin them held back),
+    then the rest is kept and parsed at the end (text that does not parse
+    as calls is given as content then)."""
+
+    def __init__(self, syntax: TrailingCallSyntax, names=None):
+        self.syntax, self.names, self.pending, self.inside, self.said = syntax, names, "", False, False
+
+    def push(self, piece: str) -> list[tuple[str, object]]:
+        self.pending += piece
+        if self.inside:
+            return []
+        at = self.syntax.start(self.pending) if self.syntax.anywhere or not self.said else -1
+        if at >= 0:
+            head, self.pending, self.inside = self.pending[:at], self.pending[at:], True
+            return [("content", head)] if head else []
+        hold = self.syntax.held(self.pending) if self.syntax.anywhere or not self.said else 0
+        if len(self.pending) == hold:
+            return []
+        out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        self.said = True
+        return [("content", out)]
+
+    def finish(self) -> list[tuple[str, object]]:
+        text, self.pending = self.pending, ""
+        if not text:
+            return []
+        if not self.inside:
+            return [("content", text)]
+        content, calls = self.syntax.parse(text, self.names)
+        return ([("content", content)] if content else []) + [("call", c) for c in calls]
+
+
+HERMES = HermesSyntax()
+
+
+def tool_syntax(template: str | None):
+    """The tool-call syntax a chat template teaches its model (Hermes where it
+    names none, or renders no tools: with_tools lays them out as Hermes)."""
+    if not renders_tools(template):
+        return HERMES
+    if MISTRAL_TAG in template:
+        return MistralSyntax()
+    if PYTHON_TAG in template or ('"parameters"' in template and "<|eot_id|>" in template):
+        return Llama3Syntax()
+    return HERMES
+
+
+# --- reasoning: <think> ... </think> ----------------------------------------------------
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def uses_reasoning(template: str | None) -> bool:
+    """Whether a chat template's family thinks in <think> blocks (Qwen3, SmolLM3, DeepSeek-R1)."""
+    return bool(template) and THINK_OPEN in template
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside a <think> block (DeepSeek-R1's opens it for the model)."""
+    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """(the reasoning, the content) of a reply: its leading <think> block
+    (from the start where the prompt opened it), None where it has none. An
+    unclosed block is all reasoning; the content starts at its first non-space."""
+    head = text.lstrip()
+    if not opened and not head.startswith(THINK_OPEN):
+        return None, text
+    body = head[len(THINK_OPEN):] if head.startswith(THINK_OPEN) else text
+    end = body.find(THINK_CLOSE)
+    if end < 0:
+        return body, ""
+    return body[:end], body[end + len(THINK_CLOSE):].lstrip()
+
+
+class ReasoningSplitter:
+    """split_reasoning for a stream: push pieces, get ("reasoning", text) and
+    ("content", text) events, which join to split_reasoning's two texts."""
+
+    def __init__(self, opened: bool = False):
+        self.state = "inside" if opened else "start"  # start -> inside -> after (the spaces) -> content
+        self.pending = ""
+
+    def push(self, piece: str) -> list[tuple[str, str]]:
+        self.pending += piece
+        out = []
+        if self.state == "start":
+            head = self.pending.lstrip()
+            if THINK_OPEN.startswith(head) and head != THINK_OPEN:  # (could still open a block)
+                return out
+            if head.startswith(THINK_OPEN):
+                self.state, self.pending = "inside", head[len(THINK_OPEN):]
+            else:
+                self.state = "content"
+        if self.state == "inside":
+            end = self.pending.find(THINK_CLOSE)
+            if end < 0:
+                hold = _partial_suffix(self.pending, THINK_CLOSE)
+                said, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+                return [("reasoning", said)] if said else []
+            if end:
+                out.append(("reasoning", self.pending[:end]))
+            self.state, self.pending = "after", self.pending[end + len(THINK_CLOSE):]
+        if self.state == "after":
+            self.pending = self.pending.lstrip()
+            if self.pending:
+                self.state = "content"
+        if self.state == "content" and self.pending:
+            out.append(("content", self.pending))
+            self.pending = ""
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        text, self.pending = self.pending, ""
+        if not text or self.state == "after":
+            return []
+        return [("reasoning" if self.state == "inside" else "content", text)]

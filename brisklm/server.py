@@ -47,7 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import chat as chat_format
 from .api import LLM, text_pieces
 from .errors import BriskError
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, masked, sample
 
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 16
@@ -367,8 +367,9 @@ def compile_constraint(llm: LLM, body: Sampling):
                            param="tool_choice")
         tools = [{"function": {"name": t.function.name, "parameters": closed(t.function.parameters)}}
                  for t in body.tools]
-        given, param = {"grammar": chat_format.tool_call_grammar(tools, forced or None,
-                                                                  body.parallel_tool_calls)}, "tools"
+        syntax = chat_format.tool_syntax(llm.tokenizer.chat_template)  # (the family's own call syntax)
+        given, param = {"grammar": syntax.grammar(tools, forced or None, body.parallel_tool_calls,
+                                                  llm.tokenizer)}, "tools"
     elif body.grammar is not None:
         given, param = {"grammar": body.grammar}, "grammar"
     elif form is not None and form.type == "json_object":
@@ -387,6 +388,16 @@ def compile_constraint(llm: LLM, body: Sampling):
     except BriskError as e:
         reason = str(e).split(": ", 1)[1] if str(e).startswith(tuple(f"{k}: " for k in given)) else str(e)
         raise APIError(400, f"{param}: {reason}", param=param, code="invalid_constraint") from None
+
+
+def reasoning_opened(llm: LLM, body: "ChatRequest", ids: list[int]) -> bool | None:
+    """Whether a chat reply starts inside a <think> block (the prompt opened
+    it), False if it may open one, None where its family does not think in
+    them, or a constraint shapes the reply from its first token."""
+    tok = llm.require_tokenizer()
+    if not chat_format.uses_reasoning(tok.chat_template) or body._grammar is not None:
+        return None
+    return chat_format.opens_reasoning(tok.decode(ids[-8:]))
 
 
 def tool_call_object(call: dict, index: int | None = None) -> dict:
@@ -438,6 +449,12 @@ class Metrics:
         self.itl = Histogram("brisk_inter_token_seconds", "between two tokens of one generation",
                              registry=self.registry, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
         self.queue = Gauge("brisk_queue_depth", "requests admitted and not finished", registry=self.registry)
+        self.drafts = Counter("brisk_speculative_draft_tokens", "draft tokens checked (brisk serve --speculate)",
+                              registry=self.registry)
+        self.kept_drafts = Counter("brisk_speculative_accepted_tokens", "draft tokens the model kept",
+                                   registry=self.registry)
+        self.target_steps = Counter("brisk_speculative_target_steps", "forwards of the model after each first token "
+                                    "(a check of drafts or a plain step)", registry=self.registry)
 
 
 class Engine:
@@ -529,7 +546,19 @@ class Engine:
         if state.get("cancelled"):
             return {"ids": tokens, "finish_reason": "cancelled"}
         length = state["done"] and len(tokens) >= max_tokens and (not tokens or tokens[-1] not in eos)
-        return {"ids": tokens, "finish_reason": "length" if length else "stop"}
+        return {"ids": tokens, "finish_reason": "length" if length else "stop",
+                **(self.drafted() if top is None and tokens else {})}
+
+    def drafted(self) -> dict:
+        """In the worker, after a generation (Generator.tokens): the drafts it
+        checked and kept, counted in /metrics too; nothing without speculation."""
+        stats = self.llm.stats
+        if self.llm.drafter is None:
+            return {}
+        self.metrics.drafts.inc(stats.drafts)
+        self.metrics.kept_drafts.inc(stats.kept_drafts)
+        self.metrics.target_steps.inc(stats.target_steps)
+        return {"drafted": {"drafts": stats.drafts, "kept": stats.kept_drafts, "target_steps": stats.target_steps}}
 
     def answer(self, ids: list[int], max_tokens: int, sampling: dict, stop, emit, cancelled, ignore_eos=False,
                top: int | None = None, echo: bool = False) -> dict:
@@ -544,6 +573,11 @@ class Engine:
         pieces = []
         if max_tokens == 0:  # (echo: score only)
             out = {"ids": [], "finish_reason": "length"}
+        elif top is not None and sampling.get("grammar") is not None:  # (scored under the masks, as a stream is)
+            entries = []
+            out = self.generate(ids, max_tokens, sampling, stop, lambda piece, got: (entries.extend(got), emit(piece)),
+                                cancelled, ignore_eos, top)
+            return {**out, "entries": head + entries}
         else:
             out = self.generate(ids, max_tokens, sampling, stop, lambda piece: (pieces.append(piece), emit(piece)),
                                 cancelled, ignore_eos)
@@ -556,7 +590,9 @@ class Engine:
         """Tokens made one forward each through Generator.logits, each with its
         log-probability and the `top` most likely (appended to entries as
         (token, logprob, [(id, logprob)])): a stream with logprobs, which plain
-        decoding's steps (tokens only, queued ahead) do not give."""
+        decoding's steps (tokens only, queued ahead) do not give. Under a
+        grammar each token's logits are masked first: the log-probabilities
+        are those of the distribution sampled, forbidden tokens never listed."""
         gen = self.llm.generator
         try:
             params = SamplingParams(*(sampling[k] for k in ("temperature", "top_k", "top_p", "min_p")))
@@ -565,19 +601,28 @@ class Engine:
         self.llm.check(ids, max_tokens)
         if sampling.get("seed") is not None:
             torch.manual_seed(sampling["seed"])
+        grammar = sampling.get("grammar")
+        constraint = grammar.constraint() if grammar is not None else None
         gen.reset()
         try:
             with torch.no_grad():
                 logits = gen.logits(ids, 0, last=len(ids) - 1)[0, -1]
                 for i in range(max_tokens):
+                    if constraint is not None:
+                        if (bits := constraint.mask()) is None:  # (the grammar is complete)
+                            return
+                        logits = masked(logits, bits.to(logits.device))
                     token = int(sample(logits[None], params))
                     logp = logits.float().log_softmax(-1)
-                    best = logp.topk(top) if top else None
+                    best = logp.topk(min(top, logp.shape[-1])) if top else None
                     entries.append((token, float(logp[token]),
-                                    list(zip(best.indices.tolist(), best.values.tolist())) if top else []))
+                                    [(t, v) for t, v in zip(best.indices.tolist(), best.values.tolist())
+                                     if v > -float("inf")] if top else []))
                     yield token
                     if token in eos or i + 1 == max_tokens:
                         return
+                    if constraint is not None:
+                        constraint.advance(token)
                     logits = gen.logits(torch.tensor([token], device=gen.device), len(ids) + i, last=0)[0, -1]
         finally:
             gen.reset()  # (its cache no longer says what it holds)
@@ -587,6 +632,7 @@ class Engine:
 
 def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int = 16) -> FastAPI:
     metrics = Metrics()
+    llm.remember_requests()  # (prompt lookup drafts from earlier requests' text too)
     engine = Engine(llm, queue, metrics)
     app = FastAPI(title="brisk-lm", version="0.1.0")
     app.state.engine = engine
@@ -678,11 +724,9 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                     seed=None if body.seed is None else (body.seed + index) % 2 ** 64, **constrained)
 
     async def constrained(body: Sampling, logprobs: bool):
-        """Compile body's constraint (compile_constraint); logprobs under one are refused for now."""
+        """Compile body's constraint (compile_constraint); logprobs under one
+        are the masked distribution's (Engine.scored)."""
         await asyncio.to_thread(compile_constraint, llm, body)
-        if logprobs and (body._grammar is not None or getattr(body, "tools_on", False)):
-            raise APIError(400, "logprobs is not supported with response_format, grammar or tools yet",
-                           param="logprobs")
 
     def checked(ids: list[int], max_tokens: int):
         if not ids:
@@ -773,8 +817,8 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         if body.stream:
             return stream(request, jobs, body, meta, chat=False)
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        for index, ((text, ids, i), (completion, out)) in enumerate(zip(jobs, await generate_all(
-                request, jobs, body, body.max_tokens, body.logprobs, body.echo))):
+        results = await generate_all(request, jobs, body, body.max_tokens, body.logprobs, body.echo)
+        for index, ((text, ids, i), (completion, out)) in enumerate(zip(jobs, results)):
             choice = {"text": (text if body.echo else "") + completion, "index": index,
                       "logprobs": None, "finish_reason": out["finish_reason"]}
             if body.logprobs is not None:
@@ -784,7 +828,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             usage["prompt_tokens"] += len(ids) if i == 0 else 0
             usage["completion_tokens"] += len(out["ids"])
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {**meta, "choices": choices, "usage": usage}
+        return {**meta, "choices": choices, "usage": {**usage, **drafted_usage([out for _, out in results])}}
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatRequest, request: Request):
@@ -803,13 +847,19 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             return stream(request, jobs, body, {**meta, "object": "chat.completion.chunk"}, chat=True)
         choices, completion_tokens = [], 0
         top = (body.top_logprobs or 0) if body.logprobs else None
-        for index, (reply, out) in enumerate(await generate_all(request, jobs, body, max_tokens, top)):
+        results = await generate_all(request, jobs, body, max_tokens, top)
+        opened, syntax = reasoning_opened(llm, body, ids), chat_format.tool_syntax(llm.tokenizer.chat_template)
+        for index, (reply, out) in enumerate(results):
             message, finish = {"role": "assistant", "content": reply}, out["finish_reason"]
+            if opened is not None:
+                reasoning, reply = chat_format.split_reasoning(reply, opened)
+                message = {"role": "assistant", "content": reply,
+                           **({"reasoning_content": reasoning} if reasoning is not None else {})}
             if body.tools_on:
-                content, calls = chat_format.parse_tool_calls(reply, [t.function.name for t in body.tools])
+                content, calls = syntax.parse(reply, [t.function.name for t in body.tools])
                 calls = calls if body.parallel_tool_calls else calls[:1]
                 if calls:
-                    message = {"role": "assistant", "content": content or None,
+                    message = {**message, "content": content or None,
                                "tool_calls": [tool_call_object(c) for c in calls]}
                     finish = "tool_calls" if finish == "stop" else finish
             choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
@@ -818,7 +868,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
             choices.append(choice)
             completion_tokens += len(out["ids"])
         usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                 "total_tokens": len(ids) + completion_tokens}
+                 "total_tokens": len(ids) + completion_tokens, **drafted_usage([out for _, out in results])}
         return {**meta, "choices": choices, "usage": usage}
 
     def stream(request: Request, jobs, body, meta: dict, chat: bool) -> StreamingResponse:
@@ -831,11 +881,14 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
         elif not chat and body.logprobs is not None:
             top = body.logprobs
 
+        # (a thinking family's reply streams its reasoning apart: through ToolCallDeltas)
+        reads = chat and reasoning_opened(llm, body, jobs[0][1]) is not None
+
         async def events():
             cancel = threading.Event()
             watcher = asyncio.create_task(watch_disconnect(request, cancel))
             try:
-                completion_tokens = 0
+                completion_tokens, outs = 0, []
                 for index, (_, ids, i) in enumerate(jobs):
                     queue: asyncio.Queue = asyncio.Queue()
                     if chat:
@@ -847,7 +900,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                                                top)
                     job.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
                     offset = 0
-                    calls = ToolCallDeltas(body, index, meta) if chat and body.tools_on else None
+                    calls = ToolCallDeltas(llm, body, index, meta, ids) if chat and (body.tools_on or reads) else None
                     while (given := await queue.get()) is not None:
                         piece, entries = given if len(given) == 2 else (given[0], None)
                         if calls is not None:
@@ -870,6 +923,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                         yield sse(SHUTTING_DOWN_EVENT)
                         break
                     completion_tokens += len(out["ids"])
+                    outs.append(out)
                     finish = out["finish_reason"]
                     if calls is not None:
                         for event in calls.finish():
@@ -882,7 +936,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
                         prompt_tokens = sum(len(ids) for _, ids, i in jobs if i == 0)
                         yield sse({**meta, "choices": [], "usage": {
                             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                            "total_tokens": prompt_tokens + completion_tokens}})
+                            "total_tokens": prompt_tokens + completion_tokens, **drafted_usage(outs)}})
                 yield "data: [DONE]\n\n"
             finally:  # also when the client went away (the task is cancelled): the worker stops at its next token
                 cancel.set()
@@ -902,24 +956,41 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
 class ToolCallDeltas:
     """A streamed reply's text as chat deltas, its tool calls as OpenAI
     streams them: a delta that opens each call (index, id, type, name, empty
-    arguments), then one with its arguments (chat.ToolCallSplitter holds text
-    back until it knows whether a call starts)."""
+    arguments), then one with its arguments (the family's splitter holds text
+    back until it knows whether a call starts); a thinking family's
+    reasoning as reasoning_content deltas (chat.ReasoningSplitter)."""
 
-    def __init__(self, body: "ChatRequest", index: int, meta: dict):
+    def __init__(self, llm: LLM, body: "ChatRequest", index: int, meta: dict, ids: list[int]):
         self.index, self.meta, self.count = index, meta, 0
         self.parallel = body.parallel_tool_calls
-        self.splitter = chat_format.ToolCallSplitter([t.function.name for t in body.tools])
+        opened = reasoning_opened(llm, body, ids)
+        self.reasoning = None if opened is None else chat_format.ReasoningSplitter(opened)
+        self.splitter = chat_format.tool_syntax(llm.tokenizer.chat_template).splitter(
+            [t.function.name for t in body.tools]) if body.tools_on else None
 
     def push(self, piece: str) -> list[str]:
-        return self.events(self.splitter.push(piece))
+        return self.events(self.split(piece, False))
 
     def finish(self) -> list[str]:
-        return self.events(self.splitter.finish())
+        return self.events(self.split("", True))
+
+    def split(self, piece: str, last: bool) -> list[tuple[str, object]]:
+        """("reasoning", text), ("content", text) and ("call", call) events of a piece."""
+        found = ([("content", piece)] if piece else []) if self.reasoning is None else (
+            self.reasoning.finish() if last else self.reasoning.push(piece))
+        if self.splitter is None:
+            return found
+        out = []
+        for kind, value in found:
+            out += self.splitter.push(value) if kind == "content" else [(kind, value)]
+        return out + (self.splitter.finish() if last else [])
 
     def events(self, found) -> list[str]:
         out = []
         for kind, value in found:
-            if kind == "content":
+            if kind == "reasoning":
+                out.append(self.delta({"reasoning_content": value}))
+            elif kind == "content":
                 if self.count and not value.strip():  # (the line breaks between calls)
                     continue
                 out.append(self.delta({"content": value}))
@@ -962,6 +1033,20 @@ def authorized(headers: dict, key: str) -> bool:
     given = headers.get(b"authorization", b"").decode("latin-1")
     scheme, _, token = given.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def drafted_usage(outs: list[dict]) -> dict:
+    """Speculative decoding's share of a usage block: the drafts kept and not
+    as OpenAI's completion_tokens_details prediction tokens (its fields for
+    Predicted Outputs, which clients already parse), and the model's
+    forwards after each first token (target_steps); {} without speculation."""
+    drafted = [out["drafted"] for out in outs if "drafted" in out]
+    if not drafted:
+        return {}
+    kept = sum(d["kept"] for d in drafted)
+    return {"completion_tokens_details": {"accepted_prediction_tokens": kept,
+                                          "rejected_prediction_tokens": sum(d["drafts"] for d in drafted) - kept,
+                                          "target_steps": sum(d["target_steps"] for d in drafted)}}
 
 
 def sse(obj: dict) -> str:

@@ -1,8 +1,13 @@
-"""Structured output (constrain.py): masked sampling on the device, the Hermes
-tool-call layout, and on the real SmolLM2 (fp32, CPU) outputs that match
-their JSON schema, regex or grammar from the Python API and the CLI, greedy
-output equal to a reference masked step by step in plain Python, and one-line
-errors for bad constraints."""
+"""Structured output (constrain.py): masked sampling on the device;
+speculation under a grammar (drafts cut and verified under each position's
+mask: greedy output token for token the constrained output, sampled output
+distributed as masked sampling's) on a tiny vocabulary with random models and
+on SmolLM2; the tool-call syntaxes of Hermes, Llama 3.1 and Mistral chosen by
+their chat templates (parsed whole and streamed, forced calls' grammars) and
+<think> reasoning split off; and on the real SmolLM2 (fp32, CPU) outputs that
+match their JSON schema, regex or grammar from the Python API and the CLI,
+greedy output equal to a reference masked step by step in plain Python, and
+one-line errors for bad constraints."""
 import json
 import os
 import subprocess
@@ -258,6 +263,189 @@ def test_strict_schemas_close_their_objects():
     assert out["$defs"]["d"]["additionalProperties"] is True  # (what a schema says stays)
 
 
+# --- other families' tool-call syntaxes and reasoning, by their chat templates ---------
+# (condensed from the families' own templates: the parts that render tools, calls,
+# results and thinking as the real ones do)
+
+LLAMA31 = (
+    "{{- bos_token }}{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}{%- if tools is not none %}"
+    "{{- 'Environment: ipython\n' }}{%- endif %}{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- if tools is not none %}{%- set first_user_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}"
+    "{{- 'Given the following functions, please respond with a JSON for a function call with its proper '"
+    " 'arguments that best answers the given prompt.\n\n' }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}. Do not use variables.\n\n' }}{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\n\n' }}"
+    "{%- endfor %}{{- first_user_message + '<|eot_id|>'}}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}{%- set tool_call = message.tool_calls[0].function %}"
+    "{%- if builtin_tools is defined and tool_call.name in builtin_tools %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{{- '<|python_tag|>' + tool_call.name + '.call(' }}"
+    "{{- ')' }}{%- else %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+    "{{- '}' }}{%- endif %}{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}{{- message.content }}{{- '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+MISTRAL = (
+    "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    "{%- set user_messages = messages | selectattr('role', 'equalto', 'user') | list %}{{- bos_token }}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{%- if tools is not none and (message == user_messages[-1]) %}{{- '[AVAILABLE_TOOLS] [' }}"
+    "{%- for tool in tools %}{{- tool | tojson }}{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}"
+    "{{- '][/AVAILABLE_TOOLS]' }}{%- endif %}{{- '[INST] ' + message['content'] + '[/INST]' }}"
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}{{- '[TOOL_CALLS] [' }}"
+    "{%- for tool_call in message.tool_calls %}{{- {'name': tool_call.function.name, "
+    "'arguments': tool_call.function.arguments, 'id': tool_call.id} | tojson }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ']' + eos_token }}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'tool' %}{{- '[TOOL_RESULTS] {\"content\": ' + message.content|string + ', ' }}"
+    "{{- '\"call_id\": \"' + message.tool_call_id + '\"}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}")
+QWEN3 = (
+    "{%- if tools %}{{- '<|im_start|>system\n' }}{%- if messages[0].role == 'system' %}"
+    "{{- messages[0].content + '\n\n' }}{%- endif %}{{- '# Tools\n\n<tools>' }}{%- for tool in tools %}"
+    "{{- '\n' }}{{- tool | tojson }}{%- endfor %}{{- '\n</tools>\n\nFor each function call, return a json object '"
+    " 'with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set content = message.content or '' %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content }}{%- if message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}{{- '\n<tool_call>\n{\"name\": \"' + tool_call.function.name + "
+    "'\", \"arguments\": ' + tool_call.function.arguments | tojson + '}\n</tool_call>' }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\n' }}{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}")
+DEEPSEEK_R1 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+               "{{ '<|User|>' + message['content'] }}{% elif message['role'] == 'assistant' %}"
+               "{% set content = message['content'].split('</think>')[-1] %}{{ '<|Assistant|>' + content + "
+               "'<|end_of_sentence|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|Assistant|><think>\n' }}{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
+ASKED = [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "abcdefghi", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "tool_call_id": "abcdefghi", "content": '{"temperature": 21}'}]
+
+
+@pytest.mark.parametrize("family,syntax,turn", [
+    ("llama31", "llama3_json", ("assistant<|end_header_id|>\n\n", "<|eot_id|>")),
+    ("mistral", "mistral", ("[/INST]", "</s>")), ("qwen3", "hermes", ("<|im_start|>assistant\n", "<|im_end|>"))])
+def test_a_template_s_tool_call_syntax_parses_the_calls_it_renders(family, syntax, turn):
+    """The syntax chosen for a template reads back the call that the template
+    renders in an assistant's turn (what the family's model learnt to write),
+    and the template shows the tools and the result."""
+    template = TEMPLATES[family]
+    found = chat.tool_syntax(template)
+    assert found.name == syntax
+    text = chat.render(template, ASKED, tools=[WEATHER], eos_token="</s>", add_generation_prompt=False)
+    assert "get_weather" in text[:text.index("Paris?")] and '{"temperature": 21}' in text
+    start = text.index(turn[0], text.index("Paris?")) + len(turn[0])
+    content, calls = found.parse(text[start:text.index(turn[1], start)], {"get_weather"})
+    assert (content, calls) == ("", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])
+    assert chat.tool_syntax(None).name == chat.tool_syntax(DEEPSEEK_R1).name == "hermes"
+
+
+REPLIES = {  # syntax: (reply, content, calls)
+    "llama3_json": [('{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
+                     [("get_weather", {"city": "Paris"})]),
+                    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                     '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}', "",
+                     [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome", "unit": "c"})]),
+                    ('It is {"name": "get_weather"} they say', 'It is {"name": "get_weather"} they say', []),
+                    ('{"name": "nope", "parameters": {}}', '{"name": "nope", "parameters": {}}', []),
+                    ('{"a": 1}', '{"a": 1}', [])],
+    "mistral": [('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "",
+                 [("get_weather", {"city": "Paris"})]),
+                ('Let me see. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                 '{"name": "get_weather", "arguments": {"city": "Rome"}}]', "Let me see.",
+                 [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]),
+                ("No [TOOL_CALLS] here", "No [TOOL_CALLS] here", [])],
+    "hermes": [('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "",
+                [("get_weather", {"city": "Paris"})])],
+}
+SYNTAXES = {"llama3_json": LLAMA31, "mistral": MISTRAL, "hermes": QWEN3}
+TEMPLATES = {"llama31": LLAMA31, "mistral": MISTRAL, "qwen3": QWEN3}
+
+
+@pytest.mark.parametrize("syntax,case", [(s, i) for s, cases in REPLIES.items() for i in range(len(cases))])
+def test_a_reply_s_calls_are_parsed_whole_and_streamed(syntax, case):
+    reply, content, calls = REPLIES[syntax][case]
+    found = chat.tool_syntax(SYNTAXES[syntax])
+    got_content, got = found.parse(reply, {"get_weather"})
+    assert got_content == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == calls
+    for size in (1, 3, 7, 1000):
+        splitter, events = found.splitter({"get_weather"}), []
+        for i in range(0, len(reply), size):
+            events += splitter.push(reply[i:i + size])
+        events += splitter.finish()
+        assert "".join(v for k, v in events if k == "content").strip() == content
+        assert [v for k, v in events if k == "call"] == got
+
+
+@pytest.mark.parametrize("syntax", ["llama3_json", "mistral", "hermes"])
+def test_a_forced_call_s_grammar_takes_the_family_s_syntax_and_the_schema(tiny_tokenizer, syntax):
+    """The grammar of a forced call, in each family's syntax: the canonical
+    call's text is allowed whole, one with an argument off its schema is not."""
+    from brisklm.tokenizer import Tokenizer, from_gguf_vocab
+    found = chat.tool_syntax(SYNTAXES[syntax])
+    tools = [{"function": {"name": "ab", "parameters": {"type": "object", "properties": {"c": {"enum": ["ab", "bc"]}},
+                                                      "required": ["c"], "additionalProperties": False}}}]
+    key = {"llama3_json": "parameters"}.get(syntax, "arguments")
+    call = f'{{"name":"ab","{key}":{{"c":"bc"}}}}'
+    good = {"llama3_json": call, "mistral": f"[TOOL_CALLS][{call}]",
+            "hermes": f"<tool_call>\n{call}\n</tool_call>"}[syntax]
+    letters = sorted(set(good + "ac") - {"\n"}) + ["\n", "[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<eos>"]
+    letters = list(dict.fromkeys(letters))
+    tok = Tokenizer(from_gguf_vocab("gpt2", None, [t.replace("\n", "Ċ") for t in letters],
+                                    [1] * (len(letters) - 4) + [3] * 4, [], None), eos_ids=[len(letters) - 1])
+    from brisklm.constrain import compile_grammar
+    g = compile_grammar(tok, len(letters), grammar=found.grammar(tools, "ab", parallel=False, tokenizer=tok))
+    ids = tok.encode(good)
+    assert g.constraint().matcher.validate_tokens(ids) == len(ids)
+    bad = tok.encode(good.replace('"bc"', '"ac"'))
+    assert g.constraint().matcher.validate_tokens(bad) < len(bad)
+    content, calls = found.parse(good, {"ab"})
+    assert calls == [{"name": "ab", "arguments": '{"c": "bc"}'}]
+
+
+@pytest.mark.parametrize("reply,opened,reasoning,content", [
+    ("<think>\nThe user asks.\n</think>\n\nParis.", False, "\nThe user asks.\n", "Paris."),
+    ("Just text.", False, None, "Just text."),
+    ("Weighing it up.</think> Paris.", True, "Weighing it up.", "Paris."),
+    ("<think>still going", False, "still going", ""),
+    ("<think></think><tool_call>x", False, "", "<tool_call>x"),
+])
+def test_reasoning_is_split_off_whole_and_streamed(reply, opened, reasoning, content):
+    assert chat.split_reasoning(reply, opened) == (reasoning, content)
+    for size in (1, 2, 5, 1000):
+        splitter, events = chat.ReasoningSplitter(opened), []
+        for i in range(0, len(reply), size):
+            events += splitter.push(reply[i:i + size])
+        events += splitter.finish()
+        assert "".join(v for k, v in events if k == "content") == content
+        assert "".join(v for k, v in events if k == "reasoning") == (reasoning or "")
+
+
+def test_the_templates_that_think_and_the_prompts_that_open_a_thought():
+    assert chat.uses_reasoning(QWEN3) and chat.uses_reasoning(DEEPSEEK_R1) and not chat.uses_reasoning(LLAMA31)
+    assert chat.opens_reasoning(chat.render(DEEPSEEK_R1, ASKED[:1]))
+    assert not chat.opens_reasoning(chat.render(QWEN3, ASKED[:1]))
+    done = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>hm</think>Hello"},
+            {"role": "user", "content": "Bye"}]
+    assert "hm" not in chat.render(QWEN3, done) and "Hello" in chat.render(QWEN3, done)
+
+
 # --- on the real model --------------------------------------------------------------
 
 SCHEMAS = [
@@ -369,6 +557,30 @@ def test_speculative_constrained_output_is_the_constrained_output_on_the_real_mo
     jsonschema.validate(json.loads(tok.decode(got)), schema)
     assert gen.stats.drafted_steps > 0
     assert kind != "ngram" or gen.stats.tokens_per_step > 1.5  # (the keys and names repeat)
+
+
+@pytest.mark.slow
+def test_speculation_s_own_policy_under_a_schema_gives_the_constrained_output(smol_llm):
+    """The path a user gets (the draft policy on: plain runs between
+    drafting steps, judged for free) on a prompt whose reply does not repeat
+    its prompt: still token for token the constrained output."""
+    from brisklm.constrain import compile_grammar
+    from brisklm.speculative import NgramDrafter
+    tok, gen = smol_llm.tokenizer, smol_llm.generator
+    schema = {"type": "object", "properties": {"name": {"enum": ["get_weather", "search"]}, "arguments": {
+        "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+        "required": ["query"], "additionalProperties": False}}, "required": ["name", "arguments"],
+        "additionalProperties": False}
+    grammar = compile_grammar(tok, smol_llm.model.args.vocab_size, json_schema=schema)
+    ids = smol_llm.chat_ids([{"role": "user", "content": "List a few open issues of a software project as JSON "
+                                                          "records, with ids, titles, a status and a score each."}])
+    gen.reset()
+    want = list(gen.tokens(ids, 40, GREEDY, stop_ids=tok.eos_ids, constraint=grammar.constraint()))
+    for _ in range(2):  # (the second run starts from the step costs the first measured)
+        gen.reset()
+        got = list(gen.tokens(ids, 40, GREEDY, stop_ids=tok.eos_ids, drafter=NgramDrafter(), draft_tokens=4,
+                              constraint=grammar.constraint()))
+        assert got == want, (tok.decode(got), tok.decode(want))
 
 
 @pytest.mark.slow
