@@ -135,7 +135,7 @@ class Generator:
             if drafts:
                 drafts, emitted = self._verify(history, drafts, q, params, constraint)
             if not drafts:  # nothing to check: plain decoding's own steps, queued ahead as its loop does
-                if policy and policy.free_judging and not n and 0 in policy.cost and constraint is None:
+                if policy and policy.free_judging and 0 in policy.cost and constraint is None:
                     run = self._judged_run(history, room, policy, drafter, settings, stop, constraint, t_step)
                 else:  # (as many as the policy will not draft for; one where a drafter found nothing)
                     steps = min(policy.plain_steps() if policy and not n else 1, room + 1)

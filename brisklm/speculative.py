@@ -290,8 +290,9 @@ class DraftPolicy:
     A step with k drafts yields 1 + a + a^2 + ... + a^k tokens on average if
     each draft is kept with probability a, and costs the seconds measured for
     steps with k drafts (drafting and verifying). A k not tried yet is costed
-    on the line through the nearest tried ones: a model drafter's steps grow
-    by a draft step each, a verify step by a little. The costs are the
+    on the line through the nearest tried drafting steps (not through the
+    plain step, which has no verify's fixed cost): a model drafter's steps
+    grow by a draft step each, a verify step by a little. The costs are the
     generator's (`costs`, kept across its runs with this drafter), the
     chance of keeping a draft this run's: text decides it.
 
@@ -345,8 +346,14 @@ class DraftPolicy:
     def step_cost(self, k: int) -> float:
         if k in self.cost:
             return self.cost[k]
-        below = sorted(j for j in self.cost if j < k)[-2:]
-        above = min((j for j in self.cost if j > k), default=None)
+        # (from the drafting steps tried alone: each holds a verify's fixed cost, which a plain step has not)
+        tried = sorted(j for j in self.cost if j > 0)
+        if not tried:
+            return self.cost[0]  # (hopeful: the first drafting step measures it)
+        below = [j for j in tried if j < k][-2:]
+        above = min((j for j in tried if j > k), default=None)
+        if not below:  # fewer drafts than any tried: no dearer than the fewest tried
+            return self.cost[above]
         if above is None:  # past the largest tried: on from the two largest, never cheaper
             if len(below) < 2:
                 return self.cost[below[-1]]
@@ -411,7 +418,9 @@ class DraftPolicy:
         old = self.cost.get(proposed)
         one_off = (old is None and proposed and self.free_judging and proposed not in self.doubted
                    and seconds > self.ONE_OFF * self.cost.get(0, seconds))
-        if one_off:  # (mostly one-off work, a CUDA graph's capture: with no probes to correct it,
+        if not proposed and steps == 1 and old is not None:
+            pass  # (a lone plain step waits for the host: not what plain steps queued ahead cost)
+        elif one_off:  # (mostly one-off work, a CUDA graph's capture: with no probes to correct it,
             self.doubted.add(proposed)  # kept as the cost it would stop drafting for good)
         else:  # a step slower than its cost so far moves it by a fifth; a faster one is its cost now
             self.cost[proposed] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
