@@ -748,8 +748,7 @@ def test_the_grammar_field_constrains_a_completion(client, model_id):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"grammar": 'root ::= "a" ('}, "grammar"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}, "logprobs": True}, "logprobs"),
-])
+])  # (logprobs under a constraint are served: test_structured_server.py)
 def test_a_bad_constraint_is_a_400_naming_it(server, model_id, body, param):
     status, answer = post(server + "/v1/chat/completions", {"model": model_id, "messages": ASK, "max_tokens": 4,
                                                             **body})
