@@ -83,7 +83,7 @@ class Generator:
         model.setup_caches(1, max_seq_length, kv_int8)
         self.cached: list[int] = []  # tokens whose keys/values are in the cache
         self.steps = Steps(model, max_seq_length, compile, compile_prefill, compile_options)
-        self.draft_costs = weakref.WeakKeyDictionary()  # drafter -> seconds a step by drafts (DraftPolicy)
+        self.draft_costs = weakref.WeakKeyDictionary()  # drafter -> greedy -> seconds a step by drafts
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):
@@ -120,9 +120,11 @@ class Generator:
         yield first
         if first in stop:
             return
-        # (how many drafts pay: from the step costs measured with this drafter, in this run and before)
+        # (how many drafts pay: from the step costs measured with this drafter, in this run and before;
+        # apart for greedy and sampled runs, whose steps cost differently: a cost measured where drafting
+        # did not pay is not measured again, so one kind's must not stop the other's drafting)
         try:
-            costs = self.draft_costs.setdefault(drafter, {})
+            costs = self.draft_costs.setdefault(drafter, {}).setdefault(params.greedy, {})
         except TypeError:  # (a drafter that cannot be a weak key: measured afresh each run)
             costs = {}
         policy = DraftPolicy(k, costs=costs, free_judging=hasattr(drafter, "judge")) if adapt else None
@@ -205,8 +207,8 @@ class Generator:
             if len(history) - k > judged_to:  # (a position is judged once k tokens follow it)
                 policy.observe(*drafter.judge(history, judged_to, k, end=len(history) - k))
                 judged_to = len(history) - k
-                if made < room + 1 and policy.pays(room - made):
-                    break
+                if made < room + 1 and policy.pays(room - made) and drafter.propose(history, k, None)[0]:
+                    break  # (only where there is a draft to check now)
         policy.update(0, 0, self._agreed(time.perf_counter() - t_step - waited), steps=made)
         drafter.kept(len(history) - 1)
         self.cached = history[:-1]  # (the newest token is not in the cache yet)

@@ -258,29 +258,32 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
     """The tokens a verify step emits: the kept drafts and one more.
 
     logits (len(drafts) + 1, V): the target's at the current token and at
-    each draft. q: the drafts' proposal distributions (None: one-hot)."""
+    each draft. q: the drafts' proposal distributions (None: one-hot).
+    Sampled, every row's test and its residual token are drawn on the device
+    and read in one transfer (a read a draft would wait for the device each)."""
     if params.greedy:
         target = sample(logits, params).tolist()
         kept = 0
         while kept < len(drafts) and drafts[kept] == target[kept]:
             kept += 1
         return drafts[:kept] + [target[kept]]
-    p = logits_to_probs(logits, params)
-    out = []
-    for i, d in enumerate(drafts):
-        q_d = 1.0 if q is None else float(q[i, d])
-        if float(torch.rand(())) * q_d < float(p[i, d]):  # kept with probability min(1, p/q)
-            out.append(d)
-            continue
-        residual = p[i].clone()
-        if q is None:
-            residual[d] = 0.0
-        else:
-            residual = (residual - q[i]).clamp(min=0)
-        if float(residual.sum()) <= 0:  # (p == q: a rejection there has probability 0)
-            residual = p[i]
-        return out + [int(torch.multinomial(residual / residual.sum(), 1))]
-    return out + [int(torch.multinomial(p[-1], 1))]
+    p = logits_to_probs(logits, params)  # (k + 1, V)
+    k = len(drafts)
+    rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, device=p.device)
+    p_d = p[rows, ids]
+    q_d = torch.ones_like(p_d) if q is None else q[rows, ids].to(p.dtype)
+    keep = torch.rand(k, device=p.device, dtype=p.dtype) * q_d < p_d  # kept with probability min(1, p/q)
+    if q is None:
+        residual = p[:k].clone()
+        residual[rows, ids] = 0.0
+    else:
+        residual = (p[:k] - q.to(p.dtype)).clamp(min=0)
+    # (p == q: a rejection there has probability 0; its row's residual is never used)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
+    tokens = torch.multinomial(torch.cat([residual, p[k:]]), 1).squeeze(-1)  # each row's token were it rejected
+    keep, tokens = torch.cat([keep, keep.new_zeros(1)]).tolist(), tokens.tolist()
+    kept = keep.index(False)
+    return drafts[:kept] + [tokens[kept]]
 
 
 class DraftPolicy:
@@ -406,7 +409,7 @@ class DraftPolicy:
 
     def observe(self, judged: int, kept: int):
         """Drafts judged and kept without being proposed (NgramDrafter.judge)."""
-        weight = self.decay ** max(judged, 1)
+        weight = self.decay ** judged  # (a position with no draft is no evidence either way)
         self.kept_count = weight * self.kept_count + kept
         self.judged = weight * self.judged + judged
 

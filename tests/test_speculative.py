@@ -419,6 +419,31 @@ def test_the_draft_policy_keeps_its_step_costs_across_runs():
     assert chosen == [1, 4, 4, 4, 4]  # (no plain step spent measuring again)
 
 
+def test_untried_drafting_costs_come_from_drafting_steps_and_a_lone_plain_step_is_not_a_queued_one():
+    """A verify's fixed cost is in every drafting step and in no plain one:
+    four drafts are costed from one draft's step, not on the line through
+    the plain step; and a lone plain step (it waits for the host) does not
+    replace what queued plain steps cost."""
+    policy = DraftPolicy(4, costs={0: 1.0, 1: 2.3})
+    assert policy.step_cost(4) == 2.3 and policy.step_cost(3) == 2.3
+    policy.cost[2] = 2.5
+    assert policy.step_cost(4) == pytest.approx(2.5 + 0.2 * 2) and policy.step_cost(1) == 2.3
+    policy.update(0, 0, 3.0, steps=1)
+    assert policy.cost[0] == 1.0
+    policy.kept_count, policy.judged = 9.0, 10.0  # (0.91 of the drafts kept: four drafts pay)
+    assert policy.pays(room=10) and not policy.pays(room=0)
+
+
+def test_greedy_and_sampled_runs_keep_their_step_costs_apart():
+    """A sampled verify reads probabilities the greedy one does not: its
+    cost must not stop greedy runs from drafting (or the reverse)."""
+    gen, drafter = Generator(tiny_model(), 256), NgramDrafter()
+    for params in (GREEDY, SamplingParams(temperature=0.8)):
+        gen.reset()
+        list(gen.tokens(PROMPTS[0], 40, params, seed=0, drafter=drafter, draft_tokens=4))
+    assert set(gen.draft_costs[drafter]) == {True, False}
+
+
 def test_a_step_slowed_by_a_compile_does_not_keep_the_policy_from_drafting():
     """The first step with a draft can include compiling the draft step (500
     steps' time here): the next normal step's time is the cost again."""
