@@ -135,7 +135,7 @@ class Generator:
             n, t_step = policy.choose(room) if policy else min(k, room), time.perf_counter()
             drafts, q = drafter.propose(history, n, params, self.logits) if n else ([], None)
             if drafts:
-                drafts, emitted = self._verify(history, drafts, q, params, constraint)
+                drafts, emitted = self._verify(history, drafts, q, params, constraint, settings)
             if not drafts:  # nothing to check: plain decoding's own steps, queued ahead as its loop does
                 if policy and policy.free_judging and 0 in policy.cost and constraint is None:
                     run = self._judged_run(history, room, policy, drafter, settings, stop, constraint, t_step)
@@ -214,7 +214,8 @@ class Generator:
         self.cached = history[:-1]  # (the newest token is not in the cache yet)
         return False
 
-    def _verify(self, history: list[int], drafts: list[int], q, params, constraint) -> tuple[list[int], list[int]]:
+    def _verify(self, history: list[int], drafts: list[int], q, params, constraint,
+                settings=None) -> tuple[list[int], list[int]]:
         """One verify forward of the newest token and drafts -> (the drafts
         checked, the tokens emitted: the kept drafts and one more). Under a
         constraint the drafts the grammar refuses are cut before the forward,
@@ -224,7 +225,7 @@ class Generator:
         here = len(history) - 1
         if constraint is None:
             logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
-            return drafts, accept(logits, drafts, q, params)  # (reads the tokens: the step's time is known)
+            return drafts, accept(logits, drafts, q, params, settings)  # (reads the tokens: its time is known)
         # (a sampled draft model's refused draft stays: its rejection draws from the residual p - q)
         refused = q is not None and not params.greedy
         drafts = drafts[:constraint.allowed_drafts(drafts) + refused]
@@ -233,7 +234,7 @@ class Generator:
         logits = self.logits([history[-1], *drafts], here)[0]
         drafts, rows, consumed = constraint.draft_masks(drafts, keep_refused=refused)
         logits = masked(logits[:len(drafts) + 1], rows.to(self.device, non_blocking=True))
-        emitted = accept(logits, drafts, None if q is None else q[:len(drafts)], params)
+        emitted = accept(logits, drafts, None if q is None else q[:len(drafts)], params, settings)
         return drafts, constraint.settle(consumed, emitted)
 
     def _plain_run(self, token: int, pos: int, steps: int, settings, constraint) -> Iterator[int]:

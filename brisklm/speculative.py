@@ -238,11 +238,12 @@ class ModelDrafter:
         start = len(history) - 1 if self.shares_cache else cached_prefix(self.cached, history, len(history) - 1)
         feed = history[start:]
         drafts, probs = [], []
+        settings = params.on(self.model.device)  # (once: a copy from the host waits for the device)
         for _ in range(k):  # each draft fed to the next step on the device: no host read until the last
             logits = run(feed, start, model=self.model, last=len(feed) - 1, depth=self.depth)[:, -1]
             if not params.greedy:
-                probs.append(logits_to_probs(logits, params)[0])
-            drafts.append(sample(logits, params).reshape(1))
+                probs.append(logits_to_probs(logits, settings)[0])
+            drafts.append(sample(logits, settings).reshape(1))
             start += len(feed)
             feed = drafts[-1]
         drafts = torch.cat(drafts).tolist()
@@ -254,22 +255,26 @@ class ModelDrafter:
         del self.cached[length:]
 
 
-def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams) -> list[int]:
+def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams,
+           settings: torch.Tensor | None = None) -> list[int]:
     """The tokens a verify step emits: the kept drafts and one more.
 
     logits (len(drafts) + 1, V): the target's at the current token and at
     each draft. q: the drafts' proposal distributions (None: one-hot).
-    Sampled, every row's test and its residual token are drawn on the device
-    and read in one transfer (a read a draft would wait for the device each)."""
+    settings: params already on the device (SamplingParams.on). Sampled,
+    every row's test and its residual token are drawn on the device, queued
+    behind the verify forward with no copy from the host that would wait for
+    it, and read in one transfer."""
     if params.greedy:
         target = sample(logits, params).tolist()
         kept = 0
         while kept < len(drafts) and drafts[kept] == target[kept]:
             kept += 1
         return drafts[:kept] + [target[kept]]
-    p = logits_to_probs(logits, params)  # (k + 1, V)
+    p = logits_to_probs(logits, params if settings is None else settings)  # (k + 1, V)
     k = len(drafts)
-    rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, device=p.device)
+    ids = torch.tensor(drafts, pin_memory=p.is_cuda).to(p.device, non_blocking=True)
+    rows = torch.arange(k, device=p.device)
     p_d = p[rows, ids]
     q_d = torch.ones_like(p_d) if q is None else q[rows, ids].to(p.dtype)
     keep = torch.rand(k, device=p.device, dtype=p.dtype) * q_d < p_d  # kept with probability min(1, p/q)
