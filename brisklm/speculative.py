@@ -326,7 +326,7 @@ class DraftPolicy:
     JUDGED_RUN = 16  # plain steps between choices, where the drafter judges its drafts for free
     ONE_OFF = 4  # a first drafting step dearer than this many plain ones is measured again
 
-    def __init__(self, max_k: int, decay: float = 0.95, costs: dict[int, float] | None = None,
+    def __init__(self, max_k: int, decay: float = 0.85, costs: dict[int, float] | None = None,
                  free_judging: bool = False):
         self.max_k, self.decay = max_k, decay
         # free_judging: the drafter judges its drafts against plain decoding's tokens
@@ -401,9 +401,10 @@ class DraftPolicy:
 
     def pays(self, room: int) -> bool:
         """Whether drafting now would give more tokens a second than plain steps
-        (a free-judging drafter's plain run asks as its tokens are judged)."""
-        return any(self.expected_tokens(k) / self.step_cost(k) > 1 / self.cost[0]
-                   for k in range(1, min(self.max_k, room) + 1))
+        (a free-judging drafter's plain run asks as its tokens are judged);
+        never before a draft has been judged (the chance is only the prior's)."""
+        return self.judged > 0 and any(self.expected_tokens(k) / self.step_cost(k) > 1 / self.cost[0]
+                                       for k in range(1, min(self.max_k, room) + 1))
 
     def plain_steps(self) -> int:
         """Where choose() gave 0: the plain steps to take before asking again
