@@ -138,7 +138,7 @@ class Generator:
                 drafts, emitted = self._verify(history, drafts, q, params, constraint, settings)
             if not drafts:  # nothing to check: plain decoding's own steps, queued ahead as its loop does
                 if policy and policy.free_judging and 0 in policy.cost and constraint is None:
-                    run = self._judged_run(history, room, policy, drafter, settings, stop, constraint, t_step)
+                    run = self._judged_run(history, room, policy, drafter, settings, stop, t_step)
                 else:  # (as many as the policy will not draft for; one where a drafter found nothing)
                     steps = min(policy.plain_steps() if policy and not n else 1, room + 1)
                     run = self._plain_steps(history, steps, policy, drafter, settings, stop, constraint, t_step)
@@ -189,7 +189,7 @@ class Generator:
             policy.observe(*drafter.judge(history, len(history) - len(emitted), policy.max_k))
         return False
 
-    def _judged_run(self, history, room, policy, drafter, settings, stop, constraint, t_step):
+    def _judged_run(self, history, room, policy, drafter, settings, stop, t_step):
         """Plain steps for a drafter that judges its drafts for free (prompt
         lookup): each token judged as it comes, while the device runs the
         next step, and the run left once drafting would pay (the step queued
@@ -197,7 +197,7 @@ class Generator:
         without a drafter; True where the generation ended. (Not under a
         constraint: its matcher has taken the wasted step's token.)"""
         k, judged_to, made, waited = policy.max_k, len(history), 0, 0.0
-        for value in self._plain_run(history[-1], len(history) - 1, room + 1, settings, constraint):
+        for value in self._plain_run(history[-1], len(history) - 1, room + 1, settings, None):
             made += 1
             self.stats.target_steps += 1
             t_out = time.perf_counter()
@@ -225,7 +225,7 @@ class Generator:
         here = len(history) - 1
         if constraint is None:
             logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
-            return drafts, accept(logits, drafts, q, params, settings)  # (reads the tokens: its time is known)
+            return drafts, accept(logits, drafts, q, settings)  # (reads the tokens: the step's time is known)
         # (a sampled draft model's refused draft stays: its rejection draws from the residual p - q)
         refused = q is not None and not params.greedy
         drafts = drafts[:constraint.allowed_drafts(drafts) + refused]
@@ -234,7 +234,7 @@ class Generator:
         logits = self.logits([history[-1], *drafts], here)[0]
         drafts, rows, consumed = constraint.draft_masks(drafts, keep_refused=refused)
         logits = masked(logits[:len(drafts) + 1], rows.to(self.device, non_blocking=True))
-        emitted = accept(logits, drafts, None if q is None else q[:len(drafts)], params, settings)
+        emitted = accept(logits, drafts, None if q is None else q[:len(drafts)], settings)
         return drafts, constraint.settle(consumed, emitted)
 
     def _plain_run(self, token: int, pos: int, steps: int, settings, constraint) -> Iterator[int]:

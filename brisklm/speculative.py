@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .model import Transformer, cached_prefix
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import SamplingParams, as_settings, logits_to_probs, sample
 
 CONTEXTS = (16, 12, 8, 6, 4, 3, 2, 1)  # context lengths looked up, longest first
 CANDIDATES = 4  # earlier occurrences of the matched context weighed (the latest ones)
@@ -255,23 +255,23 @@ class ModelDrafter:
         del self.cached[length:]
 
 
-def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params: SamplingParams,
-           settings: torch.Tensor | None = None) -> list[int]:
+def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params) -> list[int]:
     """The tokens a verify step emits: the kept drafts and one more.
 
     logits (len(drafts) + 1, V): the target's at the current token and at
     each draft. q: the drafts' proposal distributions (None: one-hot).
-    settings: params already on the device (SamplingParams.on). Sampled,
-    every row's test and its residual token are drawn on the device, queued
-    behind the verify forward with no copy from the host that would wait for
-    it, and read in one transfer."""
-    if params.greedy:
-        target = sample(logits, params).tolist()
+    params: SamplingParams, or better its `on` form already on the device
+    (built from host values behind the forward, it would wait for it).
+    Sampled, every row's test and its residual token are drawn on the
+    device, queued behind the forward, and read in one transfer."""
+    settings = as_settings(params, logits.device)
+    if settings is None:
+        target = sample(logits, None).tolist()
         kept = 0
         while kept < len(drafts) and drafts[kept] == target[kept]:
             kept += 1
         return drafts[:kept] + [target[kept]]
-    p = logits_to_probs(logits, params if settings is None else settings)  # (k + 1, V)
+    p = logits_to_probs(logits, settings)  # (k + 1, V)
     k = len(drafts)
     ids = torch.tensor(drafts, pin_memory=p.is_cuda).to(p.device, non_blocking=True)
     rows = torch.arange(k, device=p.device)
