@@ -45,6 +45,7 @@ def measure(model: str, mode: str, gguf: str, device: str = "cuda") -> dict:
         kw["compile"] = False
     t0 = time.perf_counter()
     llm = brisklm.load(path, **kw)
+    llm.wait_compiled()  # (timed: the compiled step, not the one that serves meanwhile)
     vocab = llm.model.args.vocab_size
     if mode.startswith("hf"):
         peer = hf_peer_figures(llm, 5, 200, 3, static=mode == "hf", ttft_lengths=PROMPTS[1:])

@@ -112,6 +112,7 @@ def main():
         from brisklm.speculative import DraftPolicy
         DraftPolicy.FIRST_PLAIN_RUN = opts.first_plain_run
     llm = brisklm.load(opts.checkpoint_path, device=opts.device, dtype=opts.dtype)
+    llm.wait_compiled()  # (timed: the compiled step, not the one that serves meanwhile)
     gen = llm.generator
     variants = {"plain": None, **{name: drafter(llm.model, name, opts.draft_tokens, opts.draft_layers)
                                   for name in opts.speculate.split(",")}}

@@ -33,6 +33,7 @@ def main():
                            allow_long_context=True, warm_up=not chat, **kw)  # (a tiny preset's context is shorter)
         if chat:
             llm.warm_up(prompts=[])
+        llm.wait_compiled()  # (checked: the compiled step, not the one that serves meanwhile)
         between = (lambda: while_waiting(llm, lambda: time.sleep(0.2))) if chat else (lambda: None)
         vocab, out = llm.model.args.vocab_size, []
         for n in (1, 5, 16, 17, 100, 300):

@@ -110,6 +110,18 @@ def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_
     return ModelDrafter(model, depth=depth)
 
 
+def what_compiles(steps, wait: bool) -> tuple[str, str]:
+    """What LLM.warm_up says it does first, and what compiles on another thread meanwhile."""
+    cpu = steps.device.type == "cpu"
+    what = "one layer's step" if steps.compiled_block is not None else "the decode step"
+    takes = ("~10-30 s" if steps.compiled_block is not None else "about 1.5 minutes on 2 CPU cores" if cpu
+             else "minutes") + " the first time, then seconds from the compiler's cache"
+    if steps.compiled and wait:
+        return f"Compiling {what} ({takes})" + ("" if cpu else "; then capturing CUDA graphs"), ""
+    start = "Capturing the steps' CUDA graphs" if steps.graphed or steps.graphed_prefill else "Warming up the steps"
+    return start, f"{what} compiles on another thread meanwhile ({takes}); requests switch to it once it is ready"
+
+
 class LLM:
     """A loaded model with its tokenizer and generator."""
 
@@ -117,6 +129,7 @@ class LLM:
                  compile=False, compile_prefill=False, compile_options=None, name="model", kv_int8=False,
                  allow_long_context=False, quiet=True, speculate=None, draft_tokens=4, draft_layers=None):
         self.model = model
+        self.quiet = quiet
         self.drafter, self.draft_tokens = drafter(model, speculate, draft_tokens, draft_layers), draft_tokens
         self.tokenizer = tokenizer
         self.name = name
@@ -155,6 +168,7 @@ class LLM:
         with as_user_error():
             params = SamplingParams(temperature, top_k, top_p, min_p)
         self.check(prompt_ids, max_new_tokens)
+        self.switch_compiled(len(prompt_ids) + max_new_tokens)
         return self.generator.tokens(prompt_ids, max_new_tokens, params, stop_ids, seed, self.drafter,
                                      self.draft_tokens, constraint=constraint and constraint.constraint())
 
@@ -187,60 +201,104 @@ class LLM:
         return len(prompt_ids) + max_new_tokens <= self.generator.max_seq_length
 
     def warm_up(self, prompt_ids: list[int] | None = None, quiet: bool = True, prompts: list[int] | None = None,
-                constrained: bool | None = None) -> float:
-        """Compile and capture the steps requests can need (steps.Steps.warm_up:
+                constrained: bool | None = None, wait: bool | None = None) -> float:
+        """Capture (and compile) the steps requests can need (steps.Steps.warm_up:
         greedy and sampled decoding, every prefill bucket; with speculation, its
         verify and draft steps on prompt_ids; constrained decoding's), saying
         what it costs first, so that no request waits for the compiler. With
         `prompts` (prompt lengths), only their prefill graphs, and constrained
         decoding's steps only if asked: the rest waits for warm_pending.
+        What compiles (CUDA's default: one block) compiles on another thread
+        while requests run uncompiled (Steps.compile_later), unless `wait`:
+        by default on CPUs, where the uncompiled step is far slower and a
+        compile is asked for (brisk chat and serve, which live long enough
+        to gain, pass False); always under torchrun, whose ranks switch together.
         Returns the seconds taken (0 when there is nothing to prepare)."""
+        import torch.distributed as dist
         gen = self.generator
         steps = gen.steps
         if steps.warm or not (steps.compiled or steps.graphed or steps.graphed_prefill):
             return 0.0
-        if steps.block is not None:
-            start = "Compiling one layer's step (the first time: ~10-30 s; then the compiler's cache) and capturing CUDA graphs"
-        elif steps.compiled and gen.device.type == "cpu":
-            start = ("Compiling the decode step: about 1.5 minutes on 2 CPU cores, ~10 s at later starts "
-                     "(the compiler's cache); on CPUs it pays off only for long generations")
-        elif steps.compiled:
-            start = "Compiling the decode step (minutes the first time; then the compiler's cache)"
-        else:
-            start = "Capturing the steps' CUDA graphs"
-        speculative = self.drafter is not None and (steps.block is not None or steps.rows is not None)
+        cpu = gen.device.type == "cpu"
+        wait = (cpu if wait is None else wait) or dist.is_initialized() or (steps.compiled_whole is not None
+                                                                            and not cpu)
+        start, later = what_compiles(steps, wait)
+        speculative = self.drafter is not None and (steps.graphed or steps.compiled)
         if speculative:
             start += "; then speculative decoding's verify and draft steps"
         t0 = time.perf_counter()
         variants = [None, SamplingParams(temperature=1.0).on(gen.device)]
+        self.quiet = quiet
         with step(start, "Ready", quiet), quiet_compiler(), torch.no_grad():
             steps.warm_up(variants, prompts)
             if constrained or (constrained is None and prompts is None):
                 gen.constrained_steps.warm_up(variants)
             if speculative:
                 self.warm_speculative(prompt_ids or [0])
+            if steps.compile_later(wait):
+                if wait:
+                    log(f"  (compiled in {steps.compile_s:.1f} s)", quiet)
         gen.reset()
         steps.warm = True
         graphs = steps.graph_count()
         log(f"  ({graphs} CUDA graphs captured)", quiet or not graphs)
+        log(f"  ({later})", quiet or not steps.compiling)
         return time.perf_counter() - t0
 
+    def wait_compiled(self) -> float | None:
+        """Wait for the step compiling on another thread (warm_up) and switch to
+        it; the seconds it took to compile, or None if nothing compiled. A
+        failed compile raises (a RuntimeError naming the compiler's error)."""
+        steps = self.generator.steps
+        compiling = steps.compiling
+        with torch.no_grad():
+            steps.adopt(steps.max_seq_length)
+        if compiling and steps.compile_error is not None:
+            raise RuntimeError(f"compiling the decode step failed: {steps.compile_error}") from steps.compile_error
+        return steps.compile_s if compiling else None
+
+    def switch_compiled(self, end: int = 0, announce: bool = True) -> bool:
+        """Switch to the step compiling on another thread (warm_up) if it is
+        ready (Generator.adopt_compiled; a request calls this at its start,
+        `end` the positions it can reach), said on one line (announce); a
+        failed compile is said once, and decoding goes on uncompiled. True
+        if this call switched."""
+        steps = self.generator.steps
+        if steps.compiler is None:
+            return False
+        with torch.no_grad():
+            switched = self.generator.adopt_compiled(end)
+        quiet = self.quiet or not announce
+        if switched:
+            log(f"[the compiled step is ready ({steps.compile_s:.1f} s on another thread): "
+                f"full speed from here on]", quiet)
+        elif steps.compiler is None:
+            error = str(steps.compile_error).strip().splitlines() or [type(steps.compile_error).__name__]
+            log(f"[compiling the step failed, decoding goes on uncompiled: {error[0][:200]}]", self.quiet)
+        return switched
+
     def warm_pending(self, stop=lambda: False) -> bool:
-        """Capture the prefill graphs that warm_up(prompts=...) left, until
-        stop() says so (another thread may call this while the process
-        waits for input, never while it generates). True when none is left."""
-        gen = self.generator
+        """Until stop() says so: wait for the step compiling on another
+        thread and switch to it, then capture the prefill graphs that
+        warm_up(prompts=...) left (another thread may call this while the
+        process waits for input, never while it generates). True when none
+        is left."""
+        gen, steps = self.generator, self.generator.steps
         if gen.device.type == "cuda":
             torch.cuda.set_device(gen.device)  # (a thread's own setting)
+        while steps.compiler is not None and steps.compiler.is_alive() and not stop():
+            steps.compiler.join(0.05)
+        if not stop():  # (the compiled step, ready, switched to quietly: the user may be typing)
+            self.switch_compiled(announce=False)
         with torch.no_grad():
-            return gen.steps.warm_pending(stop, room=gen.max_seq_length - len(gen.cached))
+            return steps.warm_pending(stop, room=gen.max_seq_length - len(gen.cached))
 
     def warm_speculative(self, prompt_ids: list[int], drafter=None, draft_tokens: int | None = None):
         """Compile speculative decoding's steps for `drafter` (default: this
         LLM's) and record their CUDA graphs (steps.Steps.warm_speculative), so
         that no step of a timed or served run pays for that."""
         gen, drafter = self.generator, drafter or self.drafter
-        if drafter is None or (gen.steps.block is None and gen.steps.rows is None):
+        if drafter is None or not (gen.steps.graphed or gen.steps.compiled):
             return
         depth = getattr(drafter, "depth", None)
         draft = getattr(drafter, "model", None) if depth is None else None
@@ -267,6 +325,7 @@ class LLM:
         inputs = ids[:-1]
         reuse = cached_prefix(gen.cached, inputs, start - 1)  # (the logits at start - 1 must be computed)
         gen.cached = list(inputs[:reuse])
+        self.switch_compiled(len(inputs))
         with torch.no_grad():
             logits = gen.logits(inputs[reuse:], reuse)[0, start - 1 - reuse:]
         gen.cached = list(inputs)

@@ -325,6 +325,7 @@ def run(opts) -> dict:
                draft_tokens=getattr(opts, "draft_tokens", 4), draft_quantize=getattr(opts, "draft_quantize", None),
                draft_checkpoint_path=getattr(opts, "draft_checkpoint_path", None),
                draft_preset=getattr(opts, "draft_preset", None))
+    llm.wait_compiled()  # (the figures are the compiled step's, which load() left compiling on another thread)
     draft_model, llm.drafter = llm.drafter, None  # (the decode figures are plain decoding's)
     result["tensor_parallel"] = llm.model.tensor_parallel and torch.distributed.get_world_size()
     result["fused_kernels"] = bool(llm.model.decode_kernels)

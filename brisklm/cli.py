@@ -431,7 +431,7 @@ def cmd_chat(args):
     # (the prefill graphs of longer prompts are captured while the user types: repl.chat)
     import torch.distributed as dist
     llm.warm_up(llm.chat_ids(start + [{"role": "user", "content": "Hi"}]), quiet=False,
-                prompts=None if dist.is_initialized() else [])
+                prompts=None if dist.is_initialized() else [], wait=False)
     chat(llm, args.system, args.max_new_tokens, args.stop, args.seed, _sampling(args),
          history_file=os.path.join(cache_dir(), "chat_history"))
 
@@ -713,7 +713,7 @@ def cmd_serve(args):
     if llm.tokenizer is None:
         raise BriskError(f"{llm.name}: no tokenizer, nothing to serve (give a checkpoint with tokenizer files)")
     name = args.model_name or repo_id(args.checkpoint_path) or os.path.basename(str(llm.name).rstrip("/")) or "model"
-    llm.warm_up(llm.require_tokenizer().encode("Hello"), quiet=False)
+    llm.warm_up(llm.require_tokenizer().encode("Hello"), quiet=False, wait=False)
     serve(llm, args.host, args.port, name, args.api_key, args.queue)
 
 

@@ -31,9 +31,12 @@ def step(start: str, done: str, quiet: bool = False):
 
 
 @contextlib.contextmanager
-def quiet_compiler():
+def quiet_compiler(warnings_too: bool = True):
     """The compiler's warnings and log lines kept from the user inside this
-    block, unless BRISKLM_VERBOSE=1 asks for them."""
+    block, unless BRISKLM_VERBOSE=1 asks for them. (In a thread beside the
+    main one, the compiler's Python warnings are ignored for good: the
+    filters are the process's, and restoring them at the block's end would
+    undo another thread's changes.)"""
     if os.environ.get("BRISKLM_VERBOSE") == "1":
         yield
         return
@@ -44,8 +47,11 @@ def quiet_compiler():
     try:
         for logger in loggers:
             logger.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        if not warnings_too:
+            warnings.filterwarnings("ignore", module=r"torch\.(_dynamo|_inductor|fx)\b")
+        with warnings.catch_warnings() if warnings_too else contextlib.nullcontext():
+            if warnings_too:
+                warnings.simplefilter("ignore")
             yield
     finally:
         for logger, level in zip(loggers, levels):

@@ -89,6 +89,16 @@ class Generator:
     def reset(self):
         self.cached = []
 
+    def adopt_compiled(self, end: int) -> bool:
+        """Switch to the step compiling on another thread if it is ready
+        (Steps.adopt; end: the positions a request can reach); its graphs'
+        runs write the cache's last positions, which no longer hold what
+        they held. True if this call switched."""
+        if not self.steps.adopt(end):
+            return False
+        del self.cached[self.max_seq_length - self.steps.reserved:]
+        return True
+
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -363,6 +373,7 @@ class Generator:
         With a constraint (constrain.Constraint), every token is sampled among
         those its grammar allows (_constrained; speculated: _verify)."""
         self.check(prompt_ids, max_new_tokens)
+        self.adopt_compiled(len(prompt_ids) + max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
         start = cached_prefix(self.cached, prompt_ids, len(prompt_ids) - 1)  # (one token, at least, to prefill)

@@ -268,14 +268,16 @@ class Session:
 
 
 def while_waiting(llm, read):
-    """read(), while another thread captures the prefill graphs that
-    LLM.warm_up left (none under torchrun, whose ranks capture together):
+    """read(), while another thread switches to the compiled step once it is
+    ready and captures the prefill graphs that LLM.warm_up left
+    (LLM.warm_pending; none under torchrun, whose ranks capture together):
     the wait for the user pays for them, and the capture in progress ends
     before read()'s value goes back to be generated from."""
     import threading
 
     import torch.distributed as dist
-    if dist.is_initialized() or not llm.generator.steps.pending:
+    steps = llm.generator.steps
+    if dist.is_initialized() or not (steps.pending or steps.compiling):
         return read()
     done = threading.Event()
 

@@ -466,6 +466,18 @@ class Engine:
         self.admitted = 0
         self.closing = threading.Event()
 
+    def switch_when_idle(self):
+        """(A thread of its own) Once the step compiling on another thread
+        (LLM.warm_up) is ready, switch to it in the worker between requests,
+        so that no request pays for the switch's graph captures, unless one
+        arrives during it."""
+        steps = self.llm.generator.steps
+        while steps.compiler is not None and not self.closing.is_set():
+            if steps.compiler.is_alive() or self.admitted:
+                time.sleep(0.05)
+            else:
+                self.worker.submit(self.llm.switch_compiled).result()
+
     def admit(self):
         if self.admitted >= self.limit:
             raise APIError(429, f"the server is busy: {self.limit - 1} requests are already waiting",
@@ -634,6 +646,7 @@ def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int =
     metrics = Metrics()
     llm.remember_requests()  # (prompt lookup drafts from earlier requests' text too)
     engine = Engine(llm, queue, metrics)
+    threading.Thread(target=engine.switch_when_idle, name="brisk-switch", daemon=True).start()
     app = FastAPI(title="brisk-lm", version="0.1.0")
     app.state.engine = engine
     created = int(time.time())

@@ -16,11 +16,17 @@ runs in one of these ways:
 Nothing a request varies compiles or captures anything once `warm_up` has
 run: the sampling settings are a tensor (SamplingParams.on), and a prompt
 pads to a bucket whose graphs exist, a long one in chunks of the largest.
+
+No request waits for the compiler either (`compile_later`): the steps start
+graphed with the block uncompiled, the block compiles on another thread,
+and the next request after it is ready switches to it (`adopt`).
 """
 from __future__ import annotations
 
 import functools
 import os
+import threading
+import time
 
 import torch
 
@@ -115,33 +121,24 @@ def replayed(step):
     The run before capture (which Triton's first compile needs) writes the
     keys and values where the replay writes them again. All graphs share one
     memory pool: they never run at once, and each keeps its output."""
-    graphs = {}
+    graphs = {}  # setting -> (graph, its inputs: args and kwargs, its output)
     pool = []
 
     def setting(a):
         return (a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
 
-    def own(a):
-        return a.clone() if isinstance(a, torch.Tensor) else a
-
     def run(*args, **kwargs):
         key = (*map(setting, args), *((k, setting(v)) for k, v in kwargs.items()))
         if key not in graphs:
-            device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-            mine, mine_kw = [own(a) for a in args], {k: own(v) for k, v in kwargs.items()}
-            side = torch.cuda.Stream(device)  # capture wants the warm-up off the main stream
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                step(*mine, **mine_kw)
-            torch.cuda.current_stream(device).wait_stream(side)
-            if not pool:
-                pool.append(torch.cuda.graph_pool_handle())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool[0]):
-                out = step(*mine, **mine_kw)
-            graphs[key] = graph, [*mine, *mine_kw.values()], out
-        graph, inputs, out = graphs[key]
-        for static, given in zip(inputs, (*args, *kwargs.values())):
+            if not CAPTURING.acquire(blocking=False):  # (a compile is running: this once, uncaptured)
+                return step(*args, **kwargs)
+            try:
+                graph, mine, mine_kw, out = capture(step, args, kwargs, pool)
+            finally:
+                CAPTURING.release()
+            graphs[key] = graph, (mine, mine_kw), out
+        graph, (mine, mine_kw), out = graphs[key]
+        for static, given in zip((*mine, *mine_kw.values()), (*args, *kwargs.values())):
             if isinstance(given, torch.Tensor):
                 static.copy_(given)
         graph.replay()
@@ -149,6 +146,36 @@ def replayed(step):
 
     run.graphs = graphs
     return run
+
+
+def capture(step, args, kwargs, pool: list):
+    """(graph, its inputs: args and kwargs, its output) of step captured on
+    copies of args and kwargs, after a run outside the graph."""
+    device = next(a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+    own = lambda a: a.clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
+    mine, mine_kw = [own(a) for a in args], {k: own(v) for k, v in kwargs.items()}
+    side = torch.cuda.Stream(device)  # capture wants the warm-up off the main stream
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step(*mine, **mine_kw)
+        if not pool:
+            pool.append(torch.cuda.graph_pool_handle())
+        # (not torch.cuda.graph, which empties the allocator's cache before each capture)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool[0])
+        try:
+            out = step(*mine, **mine_kw)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(side)
+    return graph, mine, mine_kw, out
+
+
+# A CUDA graph's capture fails if another thread allocates or synchronizes meanwhile, as a
+# compile's first run does (Steps.compile_later): the compile holds this throughout, and a
+# step that would be captured meanwhile runs uncaptured instead.
+CAPTURING = threading.Lock()
+
 
 
 # Prompt lengths a graphed prefill pads to (longer prompts run in chunks of the last).
@@ -198,7 +225,12 @@ class Steps:
         self.compiled = compile
         self.warm = False  # whether warm_up has run
         self.pending = []  # prefill shapes warm_up left to warm_pending
-        self.block = self.whole = self.rows = self.block_mask = None
+        self.whole = self.rows = self.block_mask = None  # (compiled whole: once adopted)
+        self.compiled_block = self.compiled_whole = None  # what compile_later compiles and adopt puts to use
+        self.variants, self.shapes = None, {}  # what warm_up ran (settings), and warm_speculative (model, tokens, depth)
+        self.compiler = None  # compile_later's thread, until adopt
+        self.compile_s, self.compile_error = None, None
+        self.reserved = 0  # the cache's last positions compile_later and adopt write
         # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
         model.prepare(device, compiled=compile)
         if compile:
@@ -209,16 +241,16 @@ class Steps:
             options = {"triton.enable_pdl": cuda, "inductor_choices_class": OnePassReductions,
                        "triton.cudagraphs": cuda and not self.graphed, **(compile_options or {})}
             if self.graphed:
-                self.block = torch.compile(run_block, fullgraph=True, dynamic=False, options=options)
+                self.compiled_block = torch.compile(run_block, fullgraph=True, dynamic=False, options=options)
             else:
                 if not self.kernel_tokens:
                     self.block_mask = {w: causal_block_mask(max_seq_length, device, w) for w in model.windows}
                 # (static shapes: a model of other shapes compiles a graph of its own)
-                self.whole = torch.compile(decode_one_token, fullgraph=True, dynamic=False, options=options)
-                self.rows = torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options)
-        self._decode = self.whole or decode_one_token
-        if self.graphed:
-            self._decode = replayed(functools.partial(decode_one_token, block=self.block))
+                self.compiled_whole = (torch.compile(decode_one_token, fullgraph=True, dynamic=False, options=options),
+                                       torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options))
+        self._decode = decode_one_token
+        self.graphed_rows = None
+        self._use_block(None)
         self.moe = moe = model.args.num_local_experts > 0
         self.largest_graph = MOE_GRAPH_TOKENS if moe else PREFILL_BUCKETS[-1]
         self._prefill = forward
@@ -226,8 +258,14 @@ class Steps:
             self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
         self.graphed_prefill = self.graphed_forward if not compile_prefill else None
-        self.graphed_rows = replayed(functools.partial(forward, block=self.block)) if self.block else None
         self.sampler = replayed(sample) if graphs else sample
+
+    def _use_block(self, block):
+        """The graphed decode and verify steps, each layer run by `block` (None: the layer itself)."""
+        self.block = block
+        if self.graphed:
+            self._decode = replayed(functools.partial(decode_one_token, block=block))
+            self.graphed_rows = replayed(functools.partial(forward, block=block))
 
     @property
     def prefill_chunk(self) -> int:
@@ -246,7 +284,7 @@ class Steps:
         if self.whole is not None and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         out = self._decode(self.model, token, pos, settings, kv_len=kv_len if self.eager else None,
-                           block_mask=self.block_mask)
+                           block_mask=self.block_mask if self.whole is not None else None)
         return out.clone() if self.whole is not None else out
 
     def _padded(self, ids, start: int, max_seq_length: int, graphed):
@@ -312,10 +350,8 @@ class Steps:
         bucket and key length, or only those of `prompts` (lengths of prompts
         from an empty cache) with the rest left in `pending` (warm_pending).
         Returns the number of graphs captured."""
-        token = torch.zeros(1, dtype=torch.long, device=self.device)
-        for settings in variants:
-            for _ in range(3):  # (compiled whole: a cudagraph tree records at its second run)
-                self.decode(token, self._tail(1), settings, kv_len=self.max_seq_length)
+        self.variants = variants
+        self._warm_decode()
         if self.graphed_prefill is not None:
             shapes = prefill_shapes(self.max_seq_length, self.kernel_tokens, self.largest_graph)
             needed = shapes if prompts is None else self.shapes_of(prompts)
@@ -328,6 +364,12 @@ class Steps:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self.graph_count()
+
+    def _warm_decode(self):
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        for settings in self.variants:
+            for _ in range(3 if self.whole is not None else 1):  # (a cudagraph tree records at its second run)
+                self.decode(token, self._tail(1), settings, kv_len=self.max_seq_length)
 
     def graph_count(self) -> int:
         return sum(len(getattr(f, "graphs", ())) for f in (self._decode, self.graphed_forward, self.graphed_rows,
@@ -346,9 +388,7 @@ class Steps:
         return [s for s in dict.fromkeys(shapes) if s is not None]
 
     def _tail(self, n: int) -> torch.Tensor:
-        """Positions for a warm-up run: the cache's last n, which no cached
-        conversation reaches before it writes them itself."""
-        return torch.arange(self.max_seq_length - n, self.max_seq_length, device=self.device)
+        return tail(self.model, n)
 
     def _capture_prefill(self, bucket: int, kv_len: int | None):
         ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
@@ -359,9 +399,10 @@ class Steps:
         """Capture the prefill graphs warm_up left pending, most used first,
         until stop() says so; True when none is left. A capture's run writes
         the cache's last positions: with `room` (the free positions after a
-        cached conversation), only shapes that fit in it."""
+        cached conversation), only shapes that fit in it. None while a
+        compile runs (compile_later): a capture then fails."""
         for shape in list(self.pending):
-            if stop():
+            if stop() or CAPTURING.locked():
                 break
             if room is None or shape[0] <= room:
                 self.pending.remove(shape)
@@ -375,10 +416,123 @@ class Steps:
         one-token step (draft: a model with its own cache, or depth: the first
         layers of this one), each run three times (compiled, warmed, recorded)."""
         self.verify_rows = rows
+        self.shapes[id(self.model), rows, None] = self.model, rows, None
+        if draft is not None or depth is not None:
+            self.shapes[id(draft or self.model), 1, depth] = draft or self.model, 1, depth
         for _ in range(3):
             self.logits((prompt_ids * rows)[:rows], 0)
             if draft is not None or depth is not None:
                 self.logits(prompt_ids[:1], 0, model=draft, last=0, depth=depth)
+
+
+    def compile_later(self, wait: bool = False) -> bool:
+        """Compile what `compile` asked for on another thread (the block, or on
+        CPUs the whole step), for the decode step and each shape warm_up and
+        warm_speculative ran, while requests run from the uncompiled steps
+        (graphed, or eager); the next request after it is ready adopts it.
+        With `wait`, compile here and adopt it before returning (CUDA's whole
+        compile always: its CUDA graph trees belong to one thread). False
+        if there is nothing to compile."""
+        if (self.compiled_block is None and self.compiled_whole is None) or self.compiling or self.adopted:
+            return False
+        shapes = list({(id(self.model), 1, None): (self.model, 1, None), **self.shapes}.values())
+        self.reserved = max(n for _, n, _ in shapes)
+        if self.compiled_block is not None:
+            jobs = [(forward, (m, n, depth), {"block": self.compiled_block}) for m, n, depth in shapes]
+        else:
+            whole, rows = self.compiled_whole
+            jobs = [(whole, (self.model, 1, None, settings), {"block_mask": self.block_mask})
+                    for settings in self.variants or [None]] + [(rows, shape, {}) for shape in shapes]
+        # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
+        # interpreter finalizes aborts the process)
+        self.compiler = threading.Thread(target=self._compile, args=(jobs,), name="brisklm-compile")
+        if wait or (self.compiled_whole is not None and self.device.type == "cuda"):
+            self.compiler.run()
+            if self.compile_error is not None:
+                self.compiler = None
+                raise self.compile_error
+            self.adopt(self.max_seq_length)
+        else:
+            self.compiler.start()
+        return True
+
+    def _compile(self, jobs):
+        """compile_later's work: each compiled function run once on its shape,
+        at the cache's last positions (which no request reaches meanwhile:
+        adopt waits for this first where one could)."""
+        from .console import quiet_compiler
+        t0 = time.perf_counter()
+        try:
+            with CAPTURING, torch.no_grad(), quiet_compiler(warnings_too=False):
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # (a thread's own setting)
+                for fn, (model, n, depth, *settings), kwargs in jobs:
+                    ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+                    if settings:  # (the decode step: one token, sampled)
+                        fn(model, ids[0], tail(model, 1), settings[0], **kwargs)
+                    else:
+                        fn(model, ids, tail(model, n), depth=depth, **kwargs)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+        except Exception as e:  # (said by the caller; the steps stay uncompiled)
+            self.compile_error = e
+        self.compile_s = time.perf_counter() - t0
+
+    @property
+    def compiling(self) -> bool:
+        return self.compiler is not None
+
+    @property
+    def adopted(self) -> bool:
+        return self.block is not None or self.whole is not None
+
+    def adopt(self, end: int) -> bool:
+        """At a request's start (end: the positions it can reach): switch to
+        what compile_later compiled, if it is ready; if it is not, wait for
+        it only where the request could reach the positions the compile
+        writes. The graphs the uncompiled block ran are captured again with
+        the compiled one. True if this call switched; after a failed compile
+        (compile_error) the steps stay uncompiled."""
+        if self.compiler is None:
+            if self.variants is None and not self.adopted:  # (no warm-up: the first steps compile as they run)
+                self._switch(recapture=False)
+            return False
+        if self.compiler.is_alive() and end <= self.max_seq_length - self.reserved:
+            return False
+        if self.compiler.ident is not None:
+            self.compiler.join()
+        self.compiler = None
+        if self.compile_error is not None:
+            return False
+        self._switch(recapture=True)
+        return True
+
+    def _switch(self, recapture: bool):
+        """Run the compiled functions from now on; with `recapture`, warm them up
+        as warm_up did the uncompiled ones (the graphs they ran, captured again)."""
+        if self.compiled_whole is not None:
+            self.whole, self.rows = self.compiled_whole
+            self._decode = self.whole
+            if recapture and self.device.type == "cuda":  # (its CUDA graph trees record now)
+                self._warm_decode()
+                for model, n, depth in self.shapes.values():
+                    for _ in range(2):
+                        self.logits([0] * n, model.max_seq_length - n, model=model, depth=depth)
+            return
+        decode, rows = self._decode, self.graphed_rows
+        self._use_block(self.compiled_block)
+        for old, new in ((decode, self._decode), (rows, self.graphed_rows)) if recapture else ():
+            for _, ((model, ids, pos, *rest), kwargs), _ in old.graphs.values():
+                self.reserved = max(self.reserved, len(pos))
+                new(model, ids, tail(model, len(pos)), *rest, **kwargs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def tail(model: Transformer, n: int) -> torch.Tensor:
+    """Positions for a warm-up run: the cache's last n, which no cached
+    conversation reaches before it writes them itself."""
+    return torch.arange(model.max_seq_length - n, model.max_seq_length, device=model.device)
 
 
 class ConstrainedSteps:

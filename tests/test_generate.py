@@ -262,6 +262,7 @@ def test_after_warm_up_no_sampling_setting_or_prompt_length_compiles_again():
     from brisklm.api import LLM
     llm = LLM(tiny_model(), None, max_seq_length=64, compile=True)
     llm.warm_up()
+    llm.wait_compiled()  # (compiled on another thread meanwhile)
     traced = counters["stats"]["unique_graphs"]
     assert traced >= 2  # (greedy and sampled)
     want = list(Generator(tiny_model(), 64).tokens([1, 2, 3], 8, GREEDY))

@@ -486,9 +486,9 @@ def test_compiled_verify_and_draft_steps_give_the_plain_greedy_output():
     drafts + 1) and the one-token draft steps (Generator.logits), their
     attention reading only the cache blocks their positions see."""
     plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
-    compiled, shapes = spec.steps.rows, []
-    spec.steps.rows = lambda model, idx, *a, **k: shapes.append((model is spec.model, idx.shape[1])) or compiled(
-        model, idx, *a, **k)
+    (whole, compiled), shapes = spec.steps.compiled_whole, []  # (what the first request switches to)
+    spec.steps.compiled_whole = whole, lambda model, idx, *a, **k: shapes.append(
+        (model is spec.model, idx.shape[1])) or compiled(model, idx, *a, **k)
     for kind in ("ngram", "self", "model"):
         drafter = drafters(spec.model, kind)
         for prompt in PROMPTS[:2]:
@@ -528,6 +528,7 @@ def test_warm_up_compiles_the_speculative_steps_before_generation():
     from brisklm.api import LLM
     llm = LLM(tiny_model(), None, max_seq_length=128, compile=True, speculate="self", draft_tokens=3, draft_layers=1)
     llm.warm_up(PROMPTS[0])
+    llm.wait_compiled()  # (compiled on another thread meanwhile)
     compiled = counters["stats"]["unique_graphs"]
     plain = list(Generator(tiny_model(), 128).tokens(PROMPTS[0], 30, GREEDY))
     assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain

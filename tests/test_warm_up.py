@@ -4,6 +4,9 @@ between turns (warm_pending) leaves a conversation's cache as it was.
 CUDA graphs need a GPU; here the graphed prefill is the plain forward that
 records the shape each call would replay (the key `steps.replayed` keys its
 graphs by), so the shapes and the cache writes are the real ones."""
+import threading
+
+import pytest
 import torch
 
 from brisklm.generate import Generator
@@ -103,3 +106,63 @@ def test_chat_captures_while_the_user_types_and_stops_for_the_reply():
     assert count >= 1 and len(llm.generator.steps.pending) == len(prefill_shapes(512)) - count
     threading.Event().wait(0.2)
     assert len(seen) == count  # (nothing captures after the message is back)
+
+
+@pytest.mark.compile
+def test_requests_run_uncompiled_while_the_step_compiles_on_another_thread(capsys):
+    """compile=True on a CPU, as on CUDA: warm_up returns before the compile;
+    requests meanwhile run the eager step and give its tokens; a request that
+    could reach the cache's last positions (where the compile runs its step)
+    waits for it; that one switches, says so on one line, gives the same
+    greedy tokens, and no sampling setting or prompt length compiles again."""
+    from torch._dynamo.utils import counters
+
+    from brisklm.api import LLM
+    llm = LLM(tiny_model(), None, max_seq_length=64, compile=True)
+    steps, held = llm.generator.steps, threading.Event()
+    compile_steps = steps._compile
+    steps._compile = lambda jobs: (held.wait(), compile_steps(jobs))  # (the requests below surely run uncompiled)
+    want = list(Generator(tiny_model(), 64).tokens([1, 2, 3], 8, GREEDY))
+    try:
+        llm.warm_up(quiet=False, wait=False)
+        assert steps.compiling and "compiles on another thread meanwhile" in capsys.readouterr().err
+        before = counters["stats"]["unique_graphs"]
+        assert list(llm.stream_ids([1, 2, 3], 8, stop_ids=())) == want
+        assert len(list(llm.stream_ids([5] * 20, 8, stop_ids=(), temperature=0.8, top_p=0.9, seed=1))) == 8
+        assert steps.whole is None and counters["stats"]["unique_graphs"] == before
+    finally:
+        held.set()
+    longest = list(llm.stream_ids([1, 2, 3], 61, stop_ids=()))  # (reaches position 63: waits, then switches)
+    assert steps.whole is not None and not steps.compiling and longest[:8] == want
+    assert "[the compiled step is ready" in capsys.readouterr().err
+    traced = counters["stats"]["unique_graphs"]
+    for sampling in (dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.8, min_p=0.05)):
+        assert len(list(llm.stream_ids(list(range(1, 30)), 6, stop_ids=(), seed=5, **sampling))) == 6
+    assert list(llm.stream_ids([1, 2, 3], 8, stop_ids=())) == want
+    assert counters["stats"]["unique_graphs"] == traced
+
+
+@pytest.mark.compile
+def test_the_compiled_step_is_switched_to_between_requests():
+    """Where the process waits (brisk chat for the user's input, brisk serve
+    between requests), the switch to the step compiled on another thread
+    happens there, not at the next request's start; a request reaching the
+    cache's last positions (which the switch's runs write) reuses no cache there."""
+    pytest.importorskip("fastapi")
+    from brisklm.api import LLM
+    from brisklm.server import make_app
+    llm = LLM(tiny_model(), None, max_seq_length=64, compile=True)
+    llm.warm_up(prompts=[], wait=False)
+    gen = llm.generator
+    gen.cached = list(range(1, 64))  # (as if a conversation filled the cache)
+    assert gen.steps.compiling and llm.warm_pending() and gen.steps.whole is not None  # (brisk chat's wait)
+    assert len(gen.cached) == 64 - gen.steps.reserved
+
+    served = LLM(tiny_model(), None, max_seq_length=64, compile=True)
+    served.warm_up(prompts=[], wait=False)
+    make_app(served, "tiny")
+    for _ in range(600):  # (no request: the server's own thread switches once the compile is done)
+        if served.generator.steps.whole is not None:
+            break
+        threading.Event().wait(0.1)
+    assert served.generator.steps.whole is not None and not served.generator.steps.compiling
