@@ -109,7 +109,7 @@ def run_cli(args, timeout=900):
     if done.returncode:
         raise SystemExit(f"CLI failed with {done.returncode}")
     rate = float(re.search(r"Average decode: ([\d.]+) tokens/s", done.stderr).group(1))
-    comp = re.search(r"Compiled in ([\d.]+) s", done.stderr)
+    comp = re.search(r"(?:Compiled in|compiled step is ready \()([\d.]+) s", done.stderr)
     return rate, float(comp.group(1)) if comp else None, done.stdout
 
 
@@ -130,7 +130,8 @@ def main():
                       err < 2e-2))
     rate, comp, _ = run_cli(["--preset", "llama-3.1-8b", "--device", "cuda", "--compile",
                              "--max_new_tokens", "200", "--num_samples", "3"])
-    table.append(("brisk generate --preset llama-3.1-8b --compile: tokens/s, compile s", f"{rate:.1f}, {comp:.1f}"))
+    table.append(("brisk generate --preset llama-3.1-8b --compile: tokens/s, compile s (on another thread)",
+                  f"{rate:.1f}, {comp if comp is None else round(comp, 1)}"))
     if opts.gguf:
         rate, comp, out = run_cli(["--checkpoint_path", opts.gguf, "--device", "cuda", "--compile",
                                    "--temperature", "0", "--prompt", "The capital of France is",
