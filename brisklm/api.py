@@ -113,8 +113,8 @@ def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_
 def what_compiles(steps, wait: bool) -> tuple[str, str]:
     """What LLM.warm_up says it does first, and what compiles on another thread meanwhile."""
     cpu = steps.device.type == "cpu"
-    what = "one layer's step" if steps.compiled_block is not None else "the decode step"
-    takes = ("~10-30 s" if steps.compiled_block is not None else "about 1.5 minutes on 2 CPU cores" if cpu
+    what = "one layer's step" if steps.to_compile == "block" else "the decode step"
+    takes = ("~10-30 s" if steps.to_compile == "block" else "about 1.5 minutes on 2 CPU cores" if cpu
              else "minutes") + " the first time, then seconds from the compiler's cache"
     if steps.compiled and wait:
         return f"Compiling {what} ({takes})" + ("" if cpu else "; then capturing CUDA graphs"), ""
@@ -220,7 +220,7 @@ class LLM:
         if steps.warm or not (steps.compiled or steps.graphed or steps.graphed_prefill):
             return 0.0
         cpu = gen.device.type == "cpu"
-        wait = (cpu if wait is None else wait) or dist.is_initialized() or (steps.compiled_whole is not None
+        wait = (cpu if wait is None else wait) or dist.is_initialized() or (steps.to_compile == "whole"
                                                                             and not cpu)
         start, later = what_compiles(steps, wait)
         speculative = self.drafter is not None and (steps.graphed or steps.compiled)

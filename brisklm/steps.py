@@ -226,28 +226,18 @@ class Steps:
         self.warm = False  # whether warm_up has run
         self.pending = []  # prefill shapes warm_up left to warm_pending
         self.whole = self.rows = self.block_mask = None  # (compiled whole: once adopted)
-        self.compiled_block = self.compiled_whole = None  # what compile_later compiles and adopt puts to use
+        # what compile_later compiles and adopt puts to use: one block (CUDA graphs of ours) or the whole step
+        self.to_compile = None if not compile else "block" if self.graphed else "whole"
+        self.compiled_block = self.compiled_whole = None  # (compiled_functions: made where they compile)
+        self.compile_options = compile_options or {}
         self.variants, self.shapes = None, {}  # what warm_up ran (settings), and warm_speculative (model, tokens, depth)
         self.compiler = None  # compile_later's thread, until adopt
         self.compile_s, self.compile_error = None, None
         self.reserved = 0  # the cache's last positions compile_later and adopt write
         # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
         model.prepare(device, compiled=compile)
-        if compile:
-            # Inductor options apply to these functions only (no global flags). On
-            # CUDA, inductor's kernels launch while their predecessor finishes
-            # (programmatic dependent launch, Hopper and later).
-            cuda = device.type == "cuda"
-            options = {"triton.enable_pdl": cuda, "inductor_choices_class": OnePassReductions,
-                       "triton.cudagraphs": cuda and not self.graphed, **(compile_options or {})}
-            if self.graphed:
-                self.compiled_block = torch.compile(run_block, fullgraph=True, dynamic=False, options=options)
-            else:
-                if not self.kernel_tokens:
-                    self.block_mask = {w: causal_block_mask(max_seq_length, device, w) for w in model.windows}
-                # (static shapes: a model of other shapes compiles a graph of its own)
-                self.compiled_whole = (torch.compile(decode_one_token, fullgraph=True, dynamic=False, options=options),
-                                       torch.compile(rows_logits, fullgraph=True, dynamic=False, options=options))
+        if self.to_compile == "whole" and not self.kernel_tokens:
+            self.block_mask = {w: causal_block_mask(max_seq_length, device, w) for w in model.windows}
         self._decode = decode_one_token
         self.graphed_rows = None
         self._use_block(None)
@@ -259,6 +249,23 @@ class Steps:
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
         self.graphed_prefill = self.graphed_forward if not compile_prefill else None
         self.sampler = replayed(sample) if graphs else sample
+
+    def compiled_functions(self):
+        """The compiled block, or the compiled whole step and its rows_logits,
+        made at first use (in compile_later's thread). Inductor's options
+        apply to these functions only (no global flags); on CUDA its kernels
+        launch while their predecessor finishes (programmatic dependent
+        launch, Hopper and later)."""
+        if self.compiled_block is None and self.compiled_whole is None:
+            cuda = self.device.type == "cuda"
+            options = {"triton.enable_pdl": cuda, "inductor_choices_class": OnePassReductions,
+                       "triton.cudagraphs": cuda and not self.graphed, **self.compile_options}
+            compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, options=options)
+            if self.to_compile == "block":
+                self.compiled_block = compiled(run_block)
+            else:  # (static shapes: a model of other shapes compiles a graph of its own)
+                self.compiled_whole = compiled(decode_one_token), compiled(rows_logits)
+        return self.compiled_block or self.compiled_whole
 
     def _use_block(self, block):
         """The graphed decode and verify steps, each layer run by `block` (None: the layer itself)."""
@@ -433,20 +440,14 @@ class Steps:
         With `wait`, compile here and adopt it before returning (CUDA's whole
         compile always: its CUDA graph trees belong to one thread). False
         if there is nothing to compile."""
-        if (self.compiled_block is None and self.compiled_whole is None) or self.compiling or self.adopted:
+        if self.to_compile is None or self.compiling or self.adopted:
             return False
         shapes = list({(id(self.model), 1, None): (self.model, 1, None), **self.shapes}.values())
         self.reserved = max(n for _, n, _ in shapes)
-        if self.compiled_block is not None:
-            jobs = [(forward, (m, n, depth), {"block": self.compiled_block}) for m, n, depth in shapes]
-        else:
-            whole, rows = self.compiled_whole
-            jobs = [(whole, (self.model, 1, None, settings), {"block_mask": self.block_mask})
-                    for settings in self.variants or [None]] + [(rows, shape, {}) for shape in shapes]
         # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
         # interpreter finalizes aborts the process)
-        self.compiler = threading.Thread(target=self._compile, args=(jobs,), name="brisklm-compile")
-        if wait or (self.compiled_whole is not None and self.device.type == "cuda"):
+        self.compiler = threading.Thread(target=self._compile, args=(shapes,), name="brisklm-compile")
+        if wait or (self.to_compile == "whole" and self.device.type == "cuda"):
             self.compiler.run()
             if self.compile_error is not None:
                 self.compiler = None
@@ -456,16 +457,23 @@ class Steps:
             self.compiler.start()
         return True
 
-    def _compile(self, jobs):
-        """compile_later's work: each compiled function run once on its shape,
-        at the cache's last positions (which no request reaches meanwhile:
-        adopt waits for this first where one could)."""
+    def _compile(self, shapes):
+        """compile_later's work: each compiled function run once on each shape
+        (model, tokens, depth) it serves, at the cache's last positions (which
+        no request reaches meanwhile: adopt waits for this first where one could)."""
         from .console import quiet_compiler
         t0 = time.perf_counter()
         try:
             with CAPTURING, torch.no_grad(), quiet_compiler(warnings_too=False):
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)  # (a thread's own setting)
+                compiled = self.compiled_functions()
+                if self.to_compile == "block":
+                    jobs = [(forward, (m, n, depth), {"block": compiled}) for m, n, depth in shapes]
+                else:
+                    whole, rows = compiled
+                    jobs = [(whole, (self.model, 1, None, settings), {"block_mask": self.block_mask})
+                            for settings in self.variants or [None]] + [(rows, shape, {}) for shape in shapes]
                 for fn, (model, n, depth, *settings), kwargs in jobs:
                     ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
                     if settings:  # (the decode step: one token, sampled)
@@ -510,8 +518,8 @@ class Steps:
     def _switch(self, recapture: bool):
         """Run the compiled functions from now on; with `recapture`, warm them up
         as warm_up did the uncompiled ones (the graphs they ran, captured again)."""
-        if self.compiled_whole is not None:
-            self.whole, self.rows = self.compiled_whole
+        if self.to_compile == "whole":
+            self.whole, self.rows = self.compiled_functions()
             self._decode = self.whole
             if recapture and self.device.type == "cuda":  # (its CUDA graph trees record now)
                 self._warm_decode()
@@ -520,7 +528,7 @@ class Steps:
                         self.logits([0] * n, model.max_seq_length - n, model=model, depth=depth)
             return
         decode, rows = self._decode, self.graphed_rows
-        self._use_block(self.compiled_block)
+        self._use_block(self.compiled_functions())
         for old, new in ((decode, self._decode), (rows, self.graphed_rows)) if recapture else ():
             for _, ((model, ids, pos, *rest), kwargs), _ in old.graphs.values():
                 self.reserved = max(self.reserved, len(pos))

@@ -486,7 +486,7 @@ def test_compiled_verify_and_draft_steps_give_the_plain_greedy_output():
     drafts + 1) and the one-token draft steps (Generator.logits), their
     attention reading only the cache blocks their positions see."""
     plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
-    (whole, compiled), shapes = spec.steps.compiled_whole, []  # (what the first request switches to)
+    (whole, compiled), shapes = spec.steps.compiled_functions(), []  # (what the first request switches to)
     spec.steps.compiled_whole = whole, lambda model, idx, *a, **k: shapes.append(
         (model is spec.model, idx.shape[1])) or compiled(model, idx, *a, **k)
     for kind in ("ngram", "self", "model"):
