@@ -29,9 +29,12 @@ import sys
 import torch
 
 from brisklm.fusion import fuse_for_decode
+from brisklm.kernels import gemv
 from brisklm.generate import Generator
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams
+
+gemv.traced_as_constants()  # (this script compiles our modules itself, as steps.Steps does)
 
 
 def check_compiled_equals_eager():

@@ -24,9 +24,12 @@ from dataclasses import replace
 import torch
 
 from brisklm.fusion import fuse_for_decode
+from brisklm.kernels import gemv
 from brisklm.model import build_model, canonical_names, random_state_dict
 from brisklm.presets import preset
 from brisklm.quantize import dequantize, quantize_state_dict, quantized_entries
+
+gemv.traced_as_constants()  # (this script compiles our modules itself, as steps.Steps does)
 
 
 def dense_copy(args, state):

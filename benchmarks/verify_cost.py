@@ -21,6 +21,9 @@ import torch
 
 import brisklm
 from brisklm.sampling import SamplingParams
+from brisklm.kernels import gemv
+
+gemv.traced_as_constants()  # (this script compiles our modules itself, as steps.Steps does)
 
 
 def timed(fn, reps: int) -> float:

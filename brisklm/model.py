@@ -332,6 +332,10 @@ class WeightFormat(nn.Module):
 class Linear(WeightFormat, nn.Linear):
     """Dense weights (nn.Linear's parameters)."""
 
+    def reset_parameters(self):
+        """None: the weights come from a state dict (build_model builds the
+        model on the meta device, where initializing imports the compiler)."""
+
     def matmul(self, x):
         return F.linear(x, self.weight)
 
@@ -543,7 +547,8 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size,  # (given: not initialized)
+                                           _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
         # the distinct sliding windows of the layers (None: full attention), a mask each
         self.windows = sorted({args.window(i) for i in range(args.num_hidden_layers)}, key=lambda w: w or 0)

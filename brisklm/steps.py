@@ -245,6 +245,8 @@ class Steps:
         self.largest_graph = MOE_GRAPH_TOKENS if moe else PREFILL_BUCKETS[-1]
         self._prefill = forward
         if compile_prefill and not moe:  # dynamic shapes, not graphed: a new length may compile again
+            from .kernels import gemv
+            gemv.traced_as_constants()
             self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
         self.graphed_prefill = self.graphed_forward if not compile_prefill else None
@@ -257,6 +259,8 @@ class Steps:
         launch while their predecessor finishes (programmatic dependent
         launch, Hopper and later)."""
         if self.compiled_block is None and self.compiled_whole is None:
+            from .kernels import gemv
+            gemv.traced_as_constants()
             cuda = self.device.type == "cuda"
             options = {"triton.enable_pdl": cuda, "inductor_choices_class": OnePassReductions,
                        "triton.cudagraphs": cuda and not self.graphed, **self.compile_options}
@@ -502,7 +506,8 @@ class Steps:
         the compiled one. True if this call switched; after a failed compile
         (compile_error) the steps stay uncompiled."""
         if self.compiler is None:
-            if self.variants is None and not self.adopted:  # (no warm-up: the first steps compile as they run)
+            if self.to_compile and self.variants is None and not self.adopted:  # (no warm-up: the first
+                # steps compile as they run)
                 self._switch(recapture=False)
             return False
         if self.compiler.is_alive() and end <= self.max_seq_length - self.reserved:

@@ -126,7 +126,13 @@ def measured(bits: int | str, n: int, k: int) -> dict | None:
     return table[f"{bits}:{near[0]}:{near[1]}"]
 
 
-@torch.compiler.assume_constant_result  # traced as its result: the graph records the blocks it launches
+def traced_as_constants():
+    """Mark `config` traced as its result (the graph records the blocks it
+    launches). Called where our modules are compiled (steps.Steps), not at
+    import: torch.compiler's import takes a second of every start."""
+    torch.compiler.assume_constant_result(config)
+
+
 def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
     entry = measured(bits, n, k)
     block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
