@@ -34,7 +34,7 @@ from brisklm.generate import Generator
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams
 
-gemv.traced_as_constants()  # (this script compiles our modules itself, as steps.Steps does)
+gemv.traced_as_constants()  # (this script compiles our modules itself, as load() does)
 
 
 def check_compiled_equals_eager():

@@ -29,7 +29,7 @@ from brisklm.model import build_model, canonical_names, random_state_dict
 from brisklm.presets import preset
 from brisklm.quantize import dequantize, quantize_state_dict, quantized_entries
 
-gemv.traced_as_constants()  # (this script compiles our modules itself, as steps.Steps does)
+gemv.traced_as_constants()  # (this script compiles our modules itself, as load() does)
 
 
 def dense_copy(args, state):

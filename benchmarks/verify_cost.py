@@ -23,7 +23,7 @@ import brisklm
 from brisklm.sampling import SamplingParams
 from brisklm.kernels import gemv
 
-gemv.traced_as_constants()  # (this script compiles our modules itself, as steps.Steps does)
+gemv.traced_as_constants()  # (this script compiles our modules itself, as load() does)
 
 
 def timed(fn, reps: int) -> float:

@@ -110,6 +110,15 @@ def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_
     return ModelDrafter(model, depth=depth)
 
 
+def compiling():
+    """The context our modules compile in (Steps.compile_later, on its own
+    thread): the GEMV blocks traced as constants (kernels.gemv), the
+    compiler's output kept from the user."""
+    from .kernels import gemv
+    gemv.traced_as_constants()
+    return quiet_compiler(warnings_too=False)
+
+
 def what_compiles(steps, wait: bool) -> tuple[str, str]:
     """What LLM.warm_up says it does first, and what compiles on another thread meanwhile."""
     cpu = steps.device.type == "cpu"
@@ -235,7 +244,7 @@ class LLM:
                 gen.constrained_steps.warm_up(variants)
             if speculative:
                 self.warm_speculative(prompt_ids or [0])
-            if steps.compile_later(wait):
+            if steps.compile_later(wait, inside=compiling):
                 if wait:
                     log(f"  (compiled in {steps.compile_s:.1f} s)", quiet)
         gen.reset()
@@ -535,6 +544,9 @@ def load(path: str | None = None, *, device: str | None = None, dtype=None,
     dtype = parse_dtype(dtype) or default_dtype(device)
     compile = default_compile(device) if compile is None else compile
     compile_prefill = bool(compile_prefill)
+    if compile_prefill:  # (compiled at the first prefill, on this thread)
+        from .kernels import gemv
+        gemv.traced_as_constants()
     if compile_options:  # checked before loading, not at the first compile
         from torch._inductor import list_options
         unknown = sorted(set(compile_options) - set(list_options()))

@@ -23,6 +23,7 @@ and the next request after it is ready switches to it (`adopt`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -245,8 +246,6 @@ class Steps:
         self.largest_graph = MOE_GRAPH_TOKENS if moe else PREFILL_BUCKETS[-1]
         self._prefill = forward
         if compile_prefill and not moe:  # dynamic shapes, not graphed: a new length may compile again
-            from .kernels import gemv
-            gemv.traced_as_constants()
             self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
         self.graphed_prefill = self.graphed_forward if not compile_prefill else None
@@ -259,8 +258,6 @@ class Steps:
         launch while their predecessor finishes (programmatic dependent
         launch, Hopper and later)."""
         if self.compiled_block is None and self.compiled_whole is None:
-            from .kernels import gemv
-            gemv.traced_as_constants()
             cuda = self.device.type == "cuda"
             options = {"triton.enable_pdl": cuda, "inductor_choices_class": OnePassReductions,
                        "triton.cudagraphs": cuda and not self.graphed, **self.compile_options}
@@ -436,21 +433,22 @@ class Steps:
                 self.logits(prompt_ids[:1], 0, model=draft, last=0, depth=depth)
 
 
-    def compile_later(self, wait: bool = False) -> bool:
+    def compile_later(self, wait: bool = False, inside=contextlib.nullcontext) -> bool:
         """Compile what `compile` asked for on another thread (the block, or on
         CPUs the whole step), for the decode step and each shape warm_up and
         warm_speculative ran, while requests run from the uncompiled steps
         (graphed, or eager); the next request after it is ready adopts it.
         With `wait`, compile here and adopt it before returning (CUDA's whole
-        compile always: its CUDA graph trees belong to one thread). False
-        if there is nothing to compile."""
+        compile always: its CUDA graph trees belong to one thread). The
+        compile runs inside the context inside() makes (the front ends'
+        quieting of the compiler). False if there is nothing to compile."""
         if self.to_compile is None or self.compiling or self.adopted:
             return False
         shapes = list({(id(self.model), 1, None): (self.model, 1, None), **self.shapes}.values())
         self.reserved = max(n for _, n, _ in shapes)
         # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
         # interpreter finalizes aborts the process)
-        self.compiler = threading.Thread(target=self._compile, args=(shapes,), name="brisklm-compile")
+        self.compiler = threading.Thread(target=self._compile, args=(shapes, inside), name="brisklm-compile")
         if wait or (self.to_compile == "whole" and self.device.type == "cuda"):
             self.compiler.run()
             if self.compile_error is not None:
@@ -461,14 +459,13 @@ class Steps:
             self.compiler.start()
         return True
 
-    def _compile(self, shapes):
+    def _compile(self, shapes, inside=contextlib.nullcontext):
         """compile_later's work: each compiled function run once on each shape
         (model, tokens, depth) it serves, at the cache's last positions (which
         no request reaches meanwhile: adopt waits for this first where one could)."""
-        from .console import quiet_compiler
         t0 = time.perf_counter()
         try:
-            with CAPTURING, torch.no_grad(), quiet_compiler(warnings_too=False):
+            with CAPTURING, torch.no_grad(), inside():
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)  # (a thread's own setting)
                 compiled = self.compiled_functions()

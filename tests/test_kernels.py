@@ -145,7 +145,7 @@ def test_gemv_blocks_are_a_constant_of_the_traced_graph():
     import torch
 
     from brisklm.kernels import gemv
-    gemv.traced_as_constants()  # (as steps.Steps does where it compiles)
+    gemv.traced_as_constants()  # (as load() does where it compiles: api.compiling)
     gemv._tuned = None  # the first lookup reads the table under the tracer
     graphs = []
 

@@ -121,7 +121,7 @@ def test_requests_run_uncompiled_while_the_step_compiles_on_another_thread(capsy
     llm = LLM(tiny_model(), None, max_seq_length=64, compile=True)
     steps, held = llm.generator.steps, threading.Event()
     compile_steps = steps._compile
-    steps._compile = lambda jobs: (held.wait(), compile_steps(jobs))  # (the requests below surely run uncompiled)
+    steps._compile = lambda *given: (held.wait(), compile_steps(*given))  # (the requests below surely run uncompiled)
     want = list(Generator(tiny_model(), 64).tokens([1, 2, 3], 8, GREEDY))
     try:
         llm.warm_up(quiet=False, wait=False)

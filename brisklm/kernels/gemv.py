@@ -128,7 +128,7 @@ def measured(bits: int | str, n: int, k: int) -> dict | None:
 
 def traced_as_constants():
     """Mark `config` traced as its result (the graph records the blocks it
-    launches). Called where our modules are compiled (steps.Steps), not at
+    launches). Called where our modules are compiled (api.compiling), not at
     import: torch.compiler's import takes a second of every start."""
     torch.compiler.assume_constant_result(config)
 
