@@ -126,7 +126,7 @@ def decode_rate(log: str) -> str:
 def autotune_picks(name: str) -> list[str]:
     """The block sizes inductor kept for each kernel it timed at the first run
     (the .best_config files of the variant's compiler cache): the int4 step's
-    speed depends on those picks (JOURNAL.md, 2026-12-01)."""
+    speed depends on those picks (the journal, 2026-12-01)."""
     cache = in_variant(name)["env"]["TORCHINDUCTOR_CACHE_DIR"]
     rows = []
     for folder, _, files in os.walk(cache):

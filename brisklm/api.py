@@ -43,7 +43,7 @@ def default_compile(device) -> bool:
 def default_dtype(device: str) -> torch.dtype:
     # bf16 halves the bytes read per token. On the 2-core development CPU it
     # measured faster than fp32 too (SmolLM2: 31 vs 18 tokens/s eager, 38 vs 20
-    # compiled; benchmarks/JOURNAL.md). Pass dtype="float32" for exactness.
+    # compiled). Pass dtype="float32" for exactness.
     return torch.bfloat16
 
 

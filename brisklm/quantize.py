@@ -277,7 +277,7 @@ class GroupedInt8Linear(WeightFormat):
       slower).
 
     Several tokens multiply the dequantized matrix, far faster than once per
-    group. (Figures: benchmarks/JOURNAL.md, CPU sections of 2026-11-30.)"""
+    group."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias=None, dtype=torch.float32):
         super().__init__()

@@ -26,7 +26,7 @@ as GGUF Q8_0) and int4 codes go through dp4a instead (_int8_dp4a_kernel,
 _int4_dp4a_kernel): each program turns its
 slice of x into two int8 planes per block of inputs (_x_planes), and each
 instruction sums four exact integer products: about 2 instructions a code
-against 4.3-4.9 (sm_90 SASS, benchmarks/gemv_sass.py), for an error from x's
+against 4.3-4.9 (sm_90 SASS), for an error from x's
 representation within 1.6e-5 of each block's largest |x|. After an RMSNorm,
 the int4 kernel reads the planes made once instead, with the norm folded in
 (pack_x; 1.9 instructions a code against 3.0 making them); the bf16 kernel
@@ -685,7 +685,7 @@ def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch, packed=None, eps=0.0, 
     # S_ALIGN scales): knowing only that K is a multiple of 16, Triton saw rows
     # of codes 8-byte aligned (64-bit loads) and rows of scales unaligned (one
     # 2-byte load a scale). With 16-byte loads and the tile loaded along K,
-    # 2.20 instructions a code against 2.59 (sm_90 SASS, benchmarks/gemv_sass.py),
+    # 2.20 instructions a code against 2.59 (sm_90 SASS),
     # and int4 g128 decode 549 against 489 tokens/s on an H200.
     n, k = codes.shape[-2], codes.shape[-1] * 2
     block_n, block_k, split_k, warps = cfg
