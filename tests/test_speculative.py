@@ -536,6 +536,25 @@ def test_warm_up_compiles_the_speculative_steps_before_generation():
 
 
 @pytest.mark.compile
+def test_speculation_while_the_step_compiles_on_another_thread_and_after_the_switch():
+    """Warmed up without waiting (brisk chat and serve): speculative requests
+    run eager while the steps compile on another thread, and compiled after
+    the switch, the verify and draft steps included (compiled with the rest,
+    nothing compiles at a request); greedy gives plain decoding's tokens."""
+    from torch._dynamo.utils import counters
+    from brisklm.api import LLM
+    llm = LLM(tiny_model(), None, max_seq_length=128, compile=True, speculate="self", draft_tokens=3, draft_layers=1)
+    llm.warm_up(PROMPTS[0], wait=False)
+    plain = list(Generator(tiny_model(), 128).tokens(PROMPTS[0], 30, GREEDY))
+    assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain  # (compiling, or switched: the same)
+    llm.wait_compiled()
+    assert llm.generator.steps.rows is not None and not llm.generator.steps.compiling
+    compiled = counters["stats"]["unique_graphs"]
+    assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
+@pytest.mark.compile
 def test_the_compiled_verify_and_draft_steps_in_bf16_give_the_eager_logits():
     """bf16 (the default dtype), where inductor's CPU flex attention takes its
     C++ template (which failed to compile a one-token step's mask with no
