@@ -244,9 +244,8 @@ class LLM:
                 gen.constrained_steps.warm_up(variants)
             if speculative:
                 self.warm_speculative(prompt_ids or [0])
-            if steps.compile_later(wait, inside=compiling):
-                if wait:
-                    log(f"  (compiled in {steps.compile_s:.1f} s)", quiet)
+            if steps.compile_later(wait, inside=compiling) and wait:
+                log(f"  (compiled in {steps.compile_s:.1f} s)", quiet)
         gen.reset()
         steps.warm = True
         graphs = steps.graph_count()
@@ -261,7 +260,7 @@ class LLM:
         steps = self.generator.steps
         compiling = steps.compiling
         with torch.no_grad():
-            steps.adopt(steps.max_seq_length)
+            self.generator.adopt_compiled(steps.max_seq_length)  # (which also cuts the cache the switch writes)
         if compiling and steps.compile_error is not None:
             raise RuntimeError(f"compiling the decode step failed: {steps.compile_error}") from steps.compile_error
         return steps.compile_s if compiling else None

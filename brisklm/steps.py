@@ -178,7 +178,6 @@ def capture(step, args, kwargs, pool: list):
 CAPTURING = threading.Lock()
 
 
-
 # Prompt lengths a graphed prefill pads to (longer prompts run in chunks of the last).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
 # An MoE model's graphs hold up to this many tokens: in a graph every expert runs on
@@ -432,7 +431,6 @@ class Steps:
             if draft is not None or depth is not None:
                 self.logits(prompt_ids[:1], 0, model=draft, last=0, depth=depth)
 
-
     def compile_later(self, wait: bool = False, inside=contextlib.nullcontext) -> bool:
         """Compile what `compile` asked for on another thread (the block, or on
         CPUs the whole step), for the decode step and each shape warm_up and
@@ -469,18 +467,17 @@ class Steps:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)  # (a thread's own setting)
                 compiled = self.compiled_functions()
+                ids = lambda n: torch.zeros(1, n, dtype=torch.long, device=self.device)  # noqa: E731
                 if self.to_compile == "block":
-                    jobs = [(forward, (m, n, depth), {"block": compiled}) for m, n, depth in shapes]
+                    runs = [functools.partial(forward, m, ids(n), tail(m, n), depth=depth, block=compiled)
+                            for m, n, depth in shapes]
                 else:
                     whole, rows = compiled
-                    jobs = [(whole, (self.model, 1, None, settings), {"block_mask": self.block_mask})
-                            for settings in self.variants or [None]] + [(rows, shape, {}) for shape in shapes]
-                for fn, (model, n, depth, *settings), kwargs in jobs:
-                    ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
-                    if settings:  # (the decode step: one token, sampled)
-                        fn(model, ids[0], tail(model, 1), settings[0], **kwargs)
-                    else:
-                        fn(model, ids, tail(model, n), depth=depth, **kwargs)
+                    runs = [functools.partial(whole, self.model, ids(1)[0], tail(self.model, 1), settings,
+                                              block_mask=self.block_mask) for settings in self.variants or [None]]
+                    runs += [functools.partial(rows, m, ids(n), tail(m, n), depth=depth) for m, n, depth in shapes]
+                for run in runs:
+                    run()
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
         except Exception as e:  # (said by the caller; the steps stay uncompiled)
