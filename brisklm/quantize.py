@@ -235,9 +235,9 @@ class ScaledWeightOnlyLinear(WeightFormat):
             # (many tokens, prefill: converting the weight once and using the
             # dense matmul measured 3-30x faster than this kernel on the CPU)
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
-        if x.shape[0] == 1:
-            return F.linear(x, self.weight.to(x.dtype)) * self.scale
-        return dequantized_matmul(x, self.weight) * self.scale
+        if x.shape[0] > 1 and torch.compiler.is_compiling():  # (outside a trace the op's call
+            return dequantized_matmul(x, self.weight) * self.scale  # would only import the compiler)
+        return F.linear(x, self.weight.to(x.dtype)) * self.scale
 
 
 @torch.library.custom_op("brisklm::dequantized_matmul", mutates_args=())

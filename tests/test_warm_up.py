@@ -166,3 +166,29 @@ def test_the_compiled_step_is_switched_to_between_requests():
             break
         threading.Event().wait(0.1)
     assert served.generator.steps.whole is not None and not served.generator.steps.compiling
+
+
+def test_running_uncompiled_steps_never_imports_the_compiler():
+    """Our custom ops exist for the compiler; called outside a trace, an op
+    imports torch._dynamo (a second of a warm start), so the uncompiled
+    steps call what the op wraps instead. A fresh process: int8 weights
+    (whose few-rows matmul is such an op), a prefill and decode steps."""
+    import subprocess
+    import sys
+    program = (
+        "import sys, torch\n"
+        "from brisklm.generate import Generator\n"
+        "from brisklm.model import ModelArgs, build_model, random_state_dict\n"
+        "from brisklm.quantize import quantize_state_dict\n"
+        "from brisklm.sampling import SamplingParams\n"
+        "args = ModelArgs(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,\n"
+        "                 num_attention_heads=4, num_key_value_heads=2)\n"
+        "args, state = quantize_state_dict(args, random_state_dict(args, torch.float32, seed=0), 'int8')\n"
+        "gen = Generator(build_model(args, state), 64)\n"
+        "with torch.no_grad():\n"
+        "    out = list(gen.tokens([1, 2, 3, 4, 5], 4, SamplingParams()))\n"
+        "assert len(out) == 4, out\n"
+        "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False", done.stdout

@@ -425,7 +425,7 @@ def decode_attention(qkv, cos, sin, k, v, input_pos, k_scale=None, v_scale=None,
     in qkv's dtype."""
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     window, scale = window or 0, scale or 0.0
-    if not qkv.is_cuda:
+    if not torch.compiler.is_compiling():  # (a custom op's call imports the compiler)
         return _launch(qkv, cos, sin, k, v, k if k_scale is None else k_scale, v if v_scale is None else v_scale,
                        input_pos, window, scale, _direct, qk_norm)
     if k_scale is None:

@@ -836,8 +836,9 @@ if triton is not None:
 
 
 def _run(op, launcher, *args):
-    """The custom op on CUDA tensors; elsewhere (the interpreter) the same launch, directly."""
-    return op(*args) if args[0].is_cuda else launcher(*args, _direct)
+    """The custom op where the compiler traces; elsewhere the same launch, directly
+    (calling a custom op imports the compiler, a second of a warm start)."""
+    return op(*args) if torch.compiler.is_compiling() else launcher(*args, _direct)
 
 
 NORM_GROUP = 256  # inputs per sum of squares in norm_parts

@@ -194,8 +194,8 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     or fp8 with no scale (the caller's per-row scale), int8 with a scale (N,
     K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
     weights (N, K) in x's dtype."""
-    if codes.is_cuda and not interpreted():
-        return _few_rows_op(x, codes, scale, zero)
+    if codes.is_cuda and not interpreted() and torch.compiler.is_compiling():  # (outside a trace, the
+        return _few_rows_op(x, codes, scale, zero)  # op's call would only import the compiler)
     return _launch(x, codes, scale, zero)
 
 
