@@ -210,7 +210,7 @@ class LLM:
         return len(prompt_ids) + max_new_tokens <= self.generator.max_seq_length
 
     def warm_up(self, prompt_ids: list[int] | None = None, quiet: bool = True, prompts: list[int] | None = None,
-                constrained: bool | None = None, wait: bool | None = None) -> float:
+                constrained: bool | None = None, wait: bool | None = None, sampled: bool | None = None) -> float:
         """Capture (and compile) the steps requests can need (steps.Steps.warm_up:
         greedy and sampled decoding, every prefill bucket; with speculation, its
         verify and draft steps on prompt_ids; constrained decoding's), saying
@@ -222,7 +222,8 @@ class LLM:
         by default on CPUs, where the uncompiled step is far slower and a
         compile is asked for (brisk chat and serve, which live long enough
         to gain, pass False); always under torchrun, whose ranks switch together.
-        Returns the seconds taken (0 when there is nothing to prepare)."""
+        `sampled`: the requests' kind where all are one (True: sampled, False:
+        greedy), else both are prepared. Returns the seconds taken (0 when there is nothing to prepare)."""
         import torch.distributed as dist
         gen = self.generator
         steps = gen.steps
@@ -237,6 +238,7 @@ class LLM:
             start += "; then speculative decoding's verify and draft steps"
         t0 = time.perf_counter()
         variants = [None, SamplingParams(temperature=1.0).on(gen.device)]
+        variants = variants if sampled is None else variants[1:] if sampled else variants[:1]
         self.quiet = quiet
         with step(start, "Ready", quiet), quiet_compiler(), torch.no_grad():
             steps.warm_up(variants, prompts)

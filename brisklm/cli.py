@@ -25,7 +25,8 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16)")
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the decode step (the default on CUDA, not on CPUs)")
+                   help="torch.compile the decode step (the default on CUDA, not on CPUs; "
+                   "brisk generate: where it decodes 1024 tokens or more)")
     p.add_argument("--no_compile", dest="compile", action="store_false",
                    help="run the steps uncompiled (on CUDA the decode step is still replayed from a CUDA graph)")
     p.add_argument("--compile_prefill", action="store_true", default=None,
@@ -339,6 +340,11 @@ def stdin_has_input() -> bool:
         return False
 
 
+# `brisk generate` compiles by default only where it decodes at least this many tokens: a shorter
+# run ends before the compile on another thread would (seconds, from the compiler's caches).
+ONE_SHOT_COMPILE_TOKENS = 1024
+
+
 def cmd_generate(args):
     import json
 
@@ -349,6 +355,8 @@ def cmd_generate(args):
     from .constrain import from_files
     constraint = from_files(args.json_schema, args.grammar, args.regex, args.json_object)
     quiet = args.quiet or args.json
+    if args.compile is None and args.num_samples * args.max_new_tokens < ONE_SHOT_COMPILE_TOKENS:
+        args.compile = False  # (the compile, on another thread, would end after the run it competes with)
     llm = _load(args, quiet=quiet)
     seed = lambda i: None if args.seed is None else args.seed + i  # noqa: E731  (each sample its own)
     if args.preset:  # random weights and no tokenizer: token ids in, token ids out
@@ -367,7 +375,8 @@ def cmd_generate(args):
         show = lambda piece: None  # noqa: E731
     llm.check(prompt_ids, args.max_new_tokens)  # before any compile
     # (this prompt's graphs only: a one-shot run needs no others)
-    llm.warm_up(prompt_ids, quiet=quiet, prompts=[len(prompt_ids)], constrained=bool(constraint))
+    llm.warm_up(prompt_ids, quiet=quiet, prompts=[len(prompt_ids)], constrained=bool(constraint),
+                sampled=args.temperature > 0)
     device = llm.generator.device
     rates, samples = [], []
     for i in range(args.num_samples):
