@@ -5,8 +5,9 @@
     llm.generate("The capital of France is", max_new_tokens=16)
 """
 from . import quantize  # noqa: F401  (registers the quantized weight formats with the model)
-from .api import LLM, load
+from .api import LLM
+from .loading import LoadOptions, load
 from .errors import BriskError
 
-__all__ = ["LLM", "load", "BriskError"]
+__all__ = ["LLM", "load", "LoadOptions", "BriskError"]
 __version__ = "0.1.0"

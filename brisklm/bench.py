@@ -292,7 +292,7 @@ def _model_args(opts):
 
 def run(opts) -> dict:
     """Every figure for one model on one device; opts as parsed by the CLI."""
-    from .api import load, usable_device
+    from .loading import LoadOptions, load, usable_device
     from .console import log
     device = torch.device(usable_device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     _model_args(opts)  # a bad preset name fails before the ceilings are measured
@@ -318,15 +318,9 @@ def run(opts) -> dict:
     if opts.max_seq_length and opts.max_seq_length < longest:
         log(f"  --max_seq_length {opts.max_seq_length} is below the longest request ({longest} "
             f"tokens): using {longest}")
-    llm = load(opts.checkpoint_path, preset=opts.preset, device=str(device), dtype=opts.dtype,
-               compile=opts.compile, compile_prefill=opts.compile_prefill,
-               compile_options=opts.compile_options, max_seq_length=length, quiet=False,
-               quantize=opts.quantize, groupsize=opts.groupsize, kv_int8=opts.kv_int8,
-               allow_long_context=opts.allow_long_context, fused_kernels=getattr(opts, "fused_kernels", True),
-               speculate="draft" if getattr(opts, "speculate", None) == "draft" else None,
-               draft_tokens=getattr(opts, "draft_tokens", 4), draft_quantize=getattr(opts, "draft_quantize", None),
-               draft_checkpoint_path=getattr(opts, "draft_checkpoint_path", None),
-               draft_preset=getattr(opts, "draft_preset", None))
+    speculate = "draft" if getattr(opts, "speculate", None) == "draft" else None  # (the drafted figures' draft model)
+    llm = load(opts.checkpoint_path, preset=opts.preset, options=LoadOptions.from_args(
+        opts, device=str(device), max_seq_length=length, quiet=False, speculate=speculate))
     llm.wait_compiled()  # (the figures are the compiled step's, which load() left compiling on another thread)
     draft_model, llm.drafter = llm.drafter, None  # (the decode figures are plain decoding's)
     result["tensor_parallel"] = llm.model.tensor_parallel and torch.distributed.get_world_size()

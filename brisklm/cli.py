@@ -271,19 +271,12 @@ def _int_list(text: str) -> list[int]:
 
 
 def _load(args, quiet=False):
-    from .api import load
+    from .loading import LoadOptions, load
     if args.checkpoint_path and args.preset:
         raise BriskError("give either --checkpoint_path or --preset, not both")
-    return load(args.checkpoint_path, device=args.device, dtype=args.dtype, compile=args.compile,
-                compile_prefill=args.compile_prefill, max_seq_length=args.max_seq_length,
-                preset=args.preset, quiet=quiet, compile_options=args.compile_options,
-                quantize=args.quantize, groupsize=args.groupsize, kv_int8=args.kv_int8,
-                allow_long_context=args.allow_long_context, speculate=getattr(args, "speculate", None),
-                draft_tokens=getattr(args, "draft_tokens", 4), draft_layers=getattr(args, "draft_layers", None),
-                draft_checkpoint_path=getattr(args, "draft_checkpoint_path", None),
-                draft_quantize=getattr(args, "draft_quantize", None),
-                draft_preset=getattr(args, "draft_preset", None), fused_kernels=args.fused_kernels,
-                warm_up=False)  # (each command warms up once its input is checked)
+    # (each command warms up once its input is checked)
+    return load(args.checkpoint_path, preset=args.preset,
+                options=LoadOptions.from_args(args, quiet=quiet, warm_up=False))
 
 
 def _sampling(args) -> dict:
@@ -466,7 +459,7 @@ def dense_transform(model_args, name, t):
 
 
 def cmd_convert(args):
-    from .api import parse_dtype
+    from .loading import parse_dtype
     from .console import step
     from .checkpoints import load
     from .checkpoints.native import save_native
@@ -519,7 +512,7 @@ def _size(path: str) -> int:
 
 
 def cmd_quantize(args):
-    from .api import check_kept_blocks, gptq_errors, gptq_transform, parse_dtype
+    from .loading import check_kept_blocks, gptq_errors, gptq_transform, parse_dtype
     from .console import log, progress_bar, step
     from .checkpoints import load, resolve
     from .checkpoints.native import NativeWriter, save_native
@@ -587,7 +580,6 @@ def growth_reasons(kind: str, source: str, output: str, mode: str, tied: bool) -
 
 def cmd_eval(args):
     import torch
-    from .api import load
     from .console import log
     from .evaluate import default_text, perplexity, perplexity_and_kl
     if args.tasks:
@@ -606,8 +598,9 @@ def cmd_eval(args):
         raise BriskError("the text has fewer than 2 tokens")
     log(f"Scoring {ids.numel()} tokens in windows of {args.window}...")
     if args.reference:
-        ref = load(args.checkpoint_path, device=args.device, dtype=args.dtype, preset=args.preset,
-                   quantize="none", quiet=True)
+        from .loading import load
+        ref = load(args.checkpoint_path, preset=args.preset, device=args.device, dtype=args.dtype,
+                   quantize="none", warm_up=False)  # (its forward only)
         ppl, ppl_ref, kl = perplexity_and_kl(llm.model, ref.model, ids, args.window)
         print(f"perplexity {ppl:.4f} (reference {ppl_ref:.4f}, {100 * (ppl / ppl_ref - 1):+.2f}%), "
               f"mean KL divergence {kl:.5f}")
@@ -772,7 +765,7 @@ def tensor_parallel(args):
         raise BriskError(f"--tp {args.tp} but torchrun started {world} processes")
     import torch
     import torch.distributed as dist
-    from .api import default_device
+    from .loading import default_device
     device = args.device or default_device()
     if device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))

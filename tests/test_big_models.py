@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import brisklm
-from brisklm import api, memory
+from brisklm import loading, memory
 from brisklm.checkpoints import load as load_checkpoint
 from brisklm.errors import BriskError
 from brisklm.model import ModelArgs, random_state_dict
@@ -99,7 +99,7 @@ def test_quantizing_while_building_peaks_at_the_quantized_size_plus_one_tensor()
 
 def test_weights_that_cannot_fit_are_refused_before_loading_with_what_would_fit(monkeypatch):
     monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 100e9)
-    monkeypatch.setattr(api, "random_state_dict", lambda *a, **k: pytest.fail("loaded anyway"))
+    monkeypatch.setattr(loading, "random_state_dict", lambda *a, **k: pytest.fail("loaded anyway"))
     with pytest.raises(BriskError) as e:
         brisklm.load(preset="llama-3.1-70b", device="cpu", quantize="none")
     message = str(e.value)
@@ -110,7 +110,7 @@ def test_weights_that_cannot_fit_are_refused_before_loading_with_what_would_fit(
 
 def test_a_plan_that_fits_is_printed(monkeypatch, capsys):
     monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 100e9)
-    monkeypatch.setattr(api, "random_state_dict", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(loading, "random_state_dict", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):  # (stopped once the plan is made)
         brisklm.load(preset="llama-3.1-70b", device="cpu", quantize="int8", max_seq_length=8192, quiet=False)
     err = capsys.readouterr().err
@@ -121,7 +121,7 @@ def test_a_plan_that_fits_is_printed(monkeypatch, capsys):
 def test_out_of_memory_while_loading_is_one_line_with_the_numbers(monkeypatch):
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.75 GiB\nmore detail")
-    monkeypatch.setattr(api, "random_state_dict", oom)
+    monkeypatch.setattr(loading, "random_state_dict", oom)
     with pytest.raises(BriskError) as e:
         brisklm.load(preset="smollm2-135m", device="cpu", quantize="int8")
     message = str(e.value)
@@ -168,7 +168,7 @@ def test_stacking_experts_does_not_keep_the_loaded_copies_alive(monkeypatch):
 
     from brisklm.model import MoEFeedForward
     loaded, alive_at_prepare = [], []
-    build, prepare = api.build_model, MoEFeedForward.prepare
+    build, prepare = loading.build_model, MoEFeedForward.prepare
 
     def build_model(args, state):
         loaded.extend(weakref.ref(t) for name, t in state.items() if ".experts." in name)
@@ -178,7 +178,7 @@ def test_stacking_experts_does_not_keep_the_loaded_copies_alive(monkeypatch):
         alive_at_prepare.append(sum(r() is not None for r in loaded))
         return prepare(self, device, compiled)
 
-    monkeypatch.setattr(api, "build_model", build_model)
+    monkeypatch.setattr(loading, "build_model", build_model)
     monkeypatch.setattr(MoEFeedForward, "prepare", prepare_after_check)
     brisklm.load(preset="tiny-moe", device="cpu", compile=False)
     assert loaded and alive_at_prepare and alive_at_prepare == [0] * len(alive_at_prepare)

@@ -190,6 +190,33 @@ def test_flags_take_either_spelling_and_version_answers():
     assert done.returncode == 0 and done.stdout.strip() == f"brisk-lm {__version__}"
 
 
+def test_every_load_flag_reaches_the_load_options():
+    """The commands that load a model hand their flags to load() through one
+    LoadOptions (LoadOptions.from_args): each flag that names a field
+    arrives, and none of the fields the commands set is left out."""
+    import dataclasses
+
+    from brisklm.cli import build_parser
+    from brisklm.loading import LoadOptions
+    flags = ["--device", "cpu", "--dtype", "float32", "--quantize", "int4", "--groupsize", "32", "--kv_int8",
+             "--max_seq_length", "512", "--allow_long_context", "--compile", "--compile_prefill",
+             "--compile_options", '{"max_autotune": false}', "--no_fused_kernels"]
+    want = dict(device="cpu", dtype="float32", quantize="int4", groupsize=32, kv_int8=True, max_seq_length=512,
+                allow_long_context=True, compile=True, compile_prefill=True,
+                compile_options={"max_autotune": False}, fused_kernels=False)
+    speculation = ["--speculate", "draft", "--draft_tokens", "3", "--draft_quantize", "int8", "--draft_preset",
+                   "smollm2-135m"]
+    for command, extra in (("generate", speculation), ("chat", speculation), ("serve", speculation),
+                           ("bench", []), ("eval", [])):
+        args = build_parser().parse_args([command, *flags, *extra])
+        options = dataclasses.asdict(LoadOptions.from_args(args, quiet=False))
+        assert {k: options[k] for k in want} == want, command
+        if extra:
+            assert (options["speculate"], options["draft_tokens"], options["draft_quantize"],
+                    options["draft_preset"]) == ("draft", 3, "int8", "smollm2-135m"), command
+        assert options["quiet"] is False
+
+
 @pytest.mark.slow
 def test_convert_and_quantize_do_what_they_say(smollm2_gguf, tmp_path):
     """convert --dequantize writes a dense folder; an existing output is refused

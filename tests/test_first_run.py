@@ -61,7 +61,7 @@ def test_the_cli_runs_without_triton():
 def test_the_steps_are_compiled_by_default_on_cuda_only():
     import torch
     import brisklm
-    from brisklm.api import default_compile
+    from brisklm.loading import default_compile
     from brisklm.cli import build_parser
     assert default_compile("cuda") and default_compile(torch.device("cuda:1")) and not default_compile("cpu")
     # The CLI leaves the choice to load() unless told: both follow default_compile.

@@ -314,18 +314,18 @@ def test_q8_0_matrices_are_kept_as_grouped_int8_where_our_gemv_runs(tmp_path, hf
     rows un-permuted like the dense ones. (On CPUs only the output layer is
     kept; the kernel itself is checked in test_kernels.py. The model below runs
     on the CPU: its int8 matrices group by group through aten's int8 matmul.)"""
-    from brisklm import api
+    from brisklm import loading
     from brisklm.kernels import gemv
     from brisklm.quantize import GroupedInt8Linear, dequantize, quantized_entries
     model, tied = hf_model
     path, _ = write_q8_0_copy(tmp_path, model, tied, ("attn_q.weight", "attn_k.weight", "attn_v.weight",
                                                        "ffn_down.weight"))
     dense = load(path, dtype=torch.float32)
-    assert api.gguf_blocks_to_keep("cpu") == "output"  # the policy here: Q8_0 layers dequantized
+    assert loading.gguf_blocks_to_keep("cpu") == "output"  # the policy here: Q8_0 layers dequantized
     assert not quantized_entries(load(path, dtype=torch.float32, keep_gguf_blocks="output").state_dict,
                                  "layers.0.feed_forward.w2.weight")
     monkeypatch.setattr(gemv, "available", lambda device: True)
-    assert api.gguf_blocks_to_keep("cpu") == "all"  # where the GEMVs run: kept
+    assert loading.gguf_blocks_to_keep("cpu") == "all"  # where the GEMVs run: kept
     monkeypatch.undo()
     kept = load(path, dtype=torch.float32, keep_gguf_blocks="all")
     for name in ("layers.1.attention.wqkv.weight", "layers.0.feed_forward.w2.weight"):

@@ -459,7 +459,6 @@ def test_sigterm_answers_everything_admitted(smollm2_gguf):
                                          (("--host", "999.1.1.1"), "--host '999.1.1.1'"),
                                          (("--api_key", ""), "--api_key is empty")])
 def test_a_bad_address_or_key_is_one_line_before_loading(flags, says):
-    t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "brisklm", "serve", *flags], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr

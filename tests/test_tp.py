@@ -112,7 +112,7 @@ if world > 1:
 @pytest.mark.parametrize("case,quantize", [("llama", "none"), ("mixtral", "none"), ("phi4mini", "none"),
                                            ("llama", "int8"), ("llama-gguf", "none")])
 def test_each_rank_reads_only_its_share_of_a_safetensors_folder(tmp_path, case, quantize):
-    """Under torchrun, api.load reads each split tensor's share from the
+    """Under torchrun, loading.load reads each split tensor's share from the
     safetensors files (safe_open's slices), not the whole tensor; the model
     gives the single process's logits and tokens. Unquantized, every split
     tensor is read in part; quantized to int8 as it loads, the row-split ones

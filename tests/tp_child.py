@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=N tests/tp_child.py OUT.json [--compile]
 
 For every case of CASES: this rank's share of the seeded random weights
-(quantized whole, then sliced, as api.load does), prompt logits, 12 greedy
+(quantized whole, then sliced, as loading.load does), prompt logits, 12 greedy
 tokens and the bytes of the rank's weights; rank 0 writes them all to OUT.json.
 The dense case also decodes speculatively (prompt lookup, the first layer as
 a draft), which must give its plain tokens.

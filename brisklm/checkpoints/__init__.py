@@ -41,7 +41,7 @@ def load(path: str | None = None, device="cpu", dtype=torch.float32, progress=No
     entries (quantize.py's format) and its Q8_0 ones as grouped int8, instead
     of dequantizing them; "output" keeps the Q4 blocks and of the Q8_0 ones
     only the output layer's. Which to ask for on which device is the loading
-    policy's (api.gguf_blocks_to_keep), not the reader's."""
+    policy's (loading.gguf_blocks_to_keep), not the reader's."""
     kind, path = resolve(path)
     if kind == "native":
         from .native import load_native
