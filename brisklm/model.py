@@ -105,11 +105,11 @@ class ModelArgs:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
 
-
     @property
     def rotary_dim(self) -> int:
         """The dims of each head RoPE turns (partial_rotary_factor of them)."""
         return round(self.head_dim * self.partial_rotary_factor)
+
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer (None: it sees every earlier position)."""
         sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
@@ -144,10 +144,10 @@ class ModelArgs:
             if "original_max_position_embeddings" in config:  # (Phi-3 keeps it beside the scaling)
                 scaling.setdefault("original_max_position_embeddings", config["original_max_position_embeddings"])
             config["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
-        # Qwen2 lists a window it uses only with use_sliding_window, and then on
-        # layers from max_window_layers on (as transformers reads it).
+        # A window is used only with use_sliding_window (Qwen2's default is no: checkpoints.families),
+        # and then on layers from max_window_layers on (as transformers reads it).
         first_layer = config.get("max_window_layers", 0)
-        in_use = config.get("use_sliding_window", config.get("model_type") != "qwen2")
+        in_use = config.get("use_sliding_window", True)
         if not in_use or first_layer >= config.get("num_hidden_layers", 1):
             config.pop("sliding_window", None)
         elif first_layer > 0:

@@ -34,6 +34,10 @@ CASES = {
                     dict(BASE, num_key_value_heads=2, rope_theta=1e6, sliding_window=None)),
     "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM",  # binds from the 7th token
                                dict(BASE, num_key_value_heads=2, rope_theta=1e6, sliding_window=6)),
+    "ministral-sliding-and-full-layers": ("MinistralConfig", "MinistralForCausalLM",  # one entry in families.py
+                                          dict(BASE, num_key_value_heads=2, head_dim=16, rope_theta=1e6, sliding_window=6,
+                                               layer_types=["sliding_attention", "full_attention"],
+                                               tie_word_embeddings=False)),
     "qwen2-sliding-window-every-layer": ("Qwen2Config", "Qwen2ForCausalLM",
                                          dict(BASE, num_key_value_heads=2, use_sliding_window=True,
                                               sliding_window=6, max_window_layers=0)),

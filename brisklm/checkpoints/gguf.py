@@ -20,18 +20,8 @@ import torch
 from ..errors import BriskError
 from ..model import ModelArgs, rope_frequencies
 from ..tokenizer import Tokenizer, find_end_ids, from_gguf_vocab
-from . import Checkpoint, assemble_from_hf_names
+from . import Checkpoint, assemble_from_hf_names, families
 
-# GGUF architectures we run; 'llama' also covers Mistral and SmolLM2 files.
-ARCHITECTURES = {"llama": {"permuted_qk": True, "attention_bias": False},
-                 "qwen2": {"permuted_qk": False, "attention_bias": True},
-                 "qwen3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
-                 "gemma3": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
-                 "qwen3moe": {"permuted_qk": False, "attention_bias": False, "qk_norm": True},
-                 "phi3": {"permuted_qk": False, "attention_bias": False},
-                 "smollm3": {"permuted_qk": True, "attention_bias": False}}
-# Phi-3: q/k/v in one tensor, and gate/up in ffn_up (Hugging Face stores them so too)
-GGUF_PHI3 = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 # llama.cpp stacks an MoE layer's experts, one tensor per projection
 GGUF_EXPERTS = {"ffn_gate_exps.weight": "w1.weight", "ffn_up_exps.weight": "w3.weight",
                 "ffn_down_exps.weight": "w2.weight"}
@@ -47,10 +37,6 @@ GGUF_LAYER = {  # GGUF per-layer names -> Hugging Face names
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",  # an MoE layer's router
 }
-# Gemma 3: llama.cpp's ffn_norm is the norm before the MLP, and two norms follow
-GGUF_SANDWICH = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                 "post_attention_norm.weight": "post_attention_layernorm.weight",
-                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
@@ -122,10 +108,7 @@ def _f32(value) -> float:
 
 
 def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise BriskError(f"{path}: unsupported architecture {arch!r} in general.architecture "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
+    arch = families.from_gguf(meta.get("general.architecture"), path).gguf
 
     def get(key, default=None, required=True):
         full = f"{arch}.{key}"
@@ -150,13 +133,8 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
         max_position_embeddings=get("context_length", 4096),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=ARCHITECTURES[arch]["attention_bias"],
-        qk_norm=ARCHITECTURES[arch].get("qk_norm", False))
-    if arch == "gemma3":
-        args.update(gemma3_args(args, get))
-    if arch == "smollm3":  # (llama.cpp fixes it: every fourth layer without RoPE)
-        args["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(args["num_hidden_layers"])]
+        tie_word_embeddings="output.weight" not in tensor_names)
+    args = families.gguf_args(arch, args, get, path)
     rotated = get("rope.dimension_count", args["head_dim"], required=False)
     if rotated != args["head_dim"]:  # (Phi-4-mini: RoPE on the first `rotated` dims of each head)
         args["partial_rotary_factor"] = rotated / args["head_dim"]
@@ -180,22 +158,6 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         return ModelArgs(**args)
     except (TypeError, ValueError) as e:
         raise BriskError(f"{path}: invalid hyper-parameters: {e}") from None
-
-
-def gemma3_args(args: dict, get) -> dict:
-    """What llama.cpp fixes for Gemma 3 rather than stores: every sixth layer
-    global (unless the file lists the pattern), the sliding layers' RoPE base
-    10000, and attention scaled by head_dim**-0.5, or by (hidden / heads)**-0.5
-    for the 62-layer 27B model (its query_pre_attn_scalar)."""
-    n = args["num_hidden_layers"]
-    pattern = get("attention.sliding_window_pattern", 6, required=False)
-    sliding = ([bool(p) for p in pattern] if isinstance(pattern, (list, tuple))
-               else [bool((i + 1) % pattern) for i in range(n)])
-    return dict(sliding_window=get("attention.sliding_window"), rope_local_base_freq=10000.0,
-                layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-                query_pre_attn_scalar=args["hidden_size"] // args["num_attention_heads"] if n == 62
-                else args["head_dim"], hidden_act="gelu_pytorch_tanh",
-                embed_scale=args["hidden_size"] ** 0.5, norm_offset=1.0, sandwich_norms=True)
 
 
 def _check_rope_freqs(args: ModelArgs, tensor, path) -> ModelArgs:
@@ -246,10 +208,8 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
         args = _check_rope_freqs(args, tensors["rope_freqs.weight"], path)
     if plan:
         plan(args)
-    arch = meta["general.architecture"]
-    layer_names = {**GGUF_LAYER, **GGUF_SANDWICH} if args.sandwich_norms else dict(GGUF_LAYER)
-    if arch == "phi3":
-        layer_names.update(GGUF_PHI3)
+    family = families.from_gguf(meta["general.architecture"], path)
+    layer_names = {**GGUF_LAYER, **family.gguf_names}
     by_hf = {}
     for name in tensors:
         if name in GGUF_GLOBAL:
@@ -275,7 +235,7 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
         w = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
         if args.norm_offset and hf_name.endswith("norm.weight"):
             w -= args.norm_offset  # (llama.cpp stores Gemma's 1 + w; ours is w, see RMSNorm)
-        if ARCHITECTURES[arch]["permuted_qk"]:
+        if family.permuted_qk:
             if hf_name.endswith("q_proj.weight"):
                 w = unpermute_qk(w, args.num_attention_heads // world)
             elif hf_name.endswith("k_proj.weight"):
@@ -329,7 +289,7 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
         if keep_blocks not in ("all", "output"):
             raise ValueError(f"keep_blocks must be False, 'all' or 'output', got {keep_blocks!r}")
         qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
-                    if ARCHITECTURES[arch]["permuted_qk"] else {})
+                    if family.permuted_qk else {})
         kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=keep_blocks)
     state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
                                    progress, skip=kept, transform=transform, get_share=get_share)

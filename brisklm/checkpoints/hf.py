@@ -14,13 +14,7 @@ import pickle
 from ..errors import BriskError
 from ..model import ModelArgs
 from ..tokenizer import load_hf_tokenizer
-from . import Checkpoint, assemble_from_hf_names
-
-SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "SmolLM3ForCausalLM": "smollm3",
-             "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text", "MixtralForCausalLM": "mixtral",
-             "Qwen3MoeForCausalLM": "qwen3_moe"}
-
+from . import Checkpoint, assemble_from_hf_names, families
 
 def read_config(folder: str) -> ModelArgs:
     path = os.path.join(folder, "config.json")
@@ -31,22 +25,7 @@ def read_config(folder: str) -> ModelArgs:
         raise BriskError(f"{path}: cannot read config: {e}") from None
     if not isinstance(config, dict):
         raise BriskError(f"{path}: cannot read config: expected a JSON object")
-    arch = (config.get("architectures") or [None])[0]
-    model_type = config.get("model_type")
-    if (arch not in SUPPORTED) if arch else (model_type not in SUPPORTED.values()):
-        raise BriskError(f"{path}: unsupported architecture {arch or model_type!r} "
-                         f"(supported: {', '.join(SUPPORTED)})")
-    if model_type == "qwen2" or arch == "Qwen2ForCausalLM":
-        config.setdefault("attention_bias", True)
-    if model_type in ("qwen3", "qwen3_moe") or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        config["qk_norm"] = True
-    if model_type == "qwen3_moe" or arch == "Qwen3MoeForCausalLM":
-        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
-            raise BriskError(f"{path}: dense layers among the experts' (decoder_sparse_step, mlp_only_layers) "
-                             f"are not supported yet")
-        config.setdefault("norm_topk_prob", False)  # (transformers' default for Qwen3-MoE)
-    if model_type == "gemma3_text" or arch == "Gemma3ForCausalLM":
-        config = gemma3_config(config, path)
+    config = families.hf_config(config, path)
     rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
     rope = rope.get("full_attention", rope)  # (Gemma 3's sliding layers are never scaled)
     kind = rope.get("rope_type") or rope.get("type") or "default"
@@ -58,24 +37,6 @@ def read_config(folder: str) -> ModelArgs:
         return ModelArgs.from_dict(config)
     except (TypeError, ValueError, KeyError) as e:
         raise BriskError(f"{path}: invalid config: {e}") from None
-
-
-def gemma3_config(config: dict, path: str) -> dict:
-    """Gemma 3's fixed choices as config fields, and its older config keys
-    (sliding_window_pattern, rope_local_base_freq) as ModelArgs reads them."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(key) is not None:
-            raise BriskError(f"{path}: {key} is not supported yet")
-    n, every = config.get("num_hidden_layers", 26), config.get("sliding_window_pattern", 6)
-    config.setdefault("layer_types", ["sliding_attention" if (i + 1) % every else "full_attention"
-                                      for i in range(n)])
-    config.setdefault("rope_theta", 1e6)
-    config.setdefault("rope_local_base_freq", 1e4)
-    config.setdefault("query_pre_attn_scalar", 256)
-    config.setdefault("hidden_activation", "gelu_pytorch_tanh")
-    return dict(config, qk_norm=True, sandwich_norms=True, norm_offset=1.0,
-                embed_scale=config.get("hidden_size", 2304) ** 0.5,
-                tie_word_embeddings=config.get("tie_word_embeddings", True))
 
 
 class _TensorFiles:
