@@ -184,7 +184,7 @@ class FusedAttention(Attention):
             cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         qkv = self.wqkv(x).reshape(T, -1)
         qk_norm = attention_kernel.NO_NORM
-        if hasattr(self, "q_norm"):
+        if isinstance(self.q_norm, RMSNorm):
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.offset)
         y = attention_kernel.decode_attention(qkv, cos.reshape(T, -1), sin.reshape(T, -1), cache.k, cache.v,
                                               input_pos, *scales, window=self.window, scale=self.scale,
@@ -241,13 +241,13 @@ def fuse_for_decode(model: Transformer) -> Transformer:
         attn, ffn = layer.attention, layer.feed_forward
         attn.wqkv, layer.attention_norm = fold(attn.wqkv, layer.attention_norm)
         attn.wo = FusedLinear(attn.wo)
-        if hasattr(ffn, "w13"):
-            ffn.w13, layer.ffn_norm = fold(ffn.w13, layer.ffn_norm)
-            ffn.w2 = FusedLinear(ffn.w2)
-        else:  # an MoE layer: each expert's Linears (its norm stays in front: the router reads it too)
+        if isinstance(ffn, MoEFeedForward):  # each expert's Linears (its norm stays: the router reads it too)
             for expert in ffn.experts:
                 expert.w13, expert.w2 = FusedLinear(expert.w13), FusedLinear(expert.w2)
             ffn.__class__ = FusedMoE  # same state, the experts read in place
+        else:
+            ffn.w13, layer.ffn_norm = fold(ffn.w13, layer.ffn_norm)
+            ffn.w2 = FusedLinear(ffn.w2)
         if fused_attention:
             attn.__class__ = FusedAttention  # same state, the kernel's forward in front
     model.output, model.norm = fold(model.output, model.norm)

@@ -373,9 +373,9 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.window, self.local_rope = args.window(layer), args.local_rope(layer)
         self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None
-        if args.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset)
-            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset)
+        head_norm = lambda: RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm \
+            else nn.Identity()  # noqa: E731
+        self.q_norm, self.k_norm = head_norm(), head_norm()
 
     def forward(self, x, cos, sin, mask, input_pos):
         B, T, _ = x.shape
@@ -385,8 +385,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
@@ -533,14 +532,14 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, layer)
         self.ffn_norm = norm()
         self.feed_forward = MoEFeedForward(args) if args.num_local_experts else FeedForward(args)
-        if args.sandwich_norms:
-            self.post_attention_norm, self.post_ffn_norm = norm(), norm()
+        after = norm if args.sandwich_norms else nn.Identity  # (norms after attention and the MLP too)
+        self.post_attention_norm, self.post_ffn_norm = after(), after()
 
     def forward(self, x, cos, sin, mask, input_pos):
         y = self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
-        h = x + (self.post_attention_norm(y) if hasattr(self, "post_attention_norm") else y)
+        h = x + self.post_attention_norm(y)
         y = self.feed_forward(self.ffn_norm(h))
-        return h + (self.post_ffn_norm(y) if hasattr(self, "post_ffn_norm") else y)
+        return h + self.post_ffn_norm(y)
 
 
 class Transformer(nn.Module):
@@ -591,12 +590,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache = KVCache(max_batch_size, a.num_key_value_heads,
                                                max_seq_length, a.head_dim, dtype, device, self.kv_int8)
-        for local, (cos, sin) in rope_tables(a, max_seq_length, device).items():
-            prefix = "rope_local" if local else "rope"
-            self.register_buffer(prefix + "_cos", cos, persistent=False)
-            self.register_buffer(prefix + "_sin", sin, persistent=False)
+        self.rope_tables = rope_tables(a, max_seq_length, device)  # {local: (cos, sin)}
         self.max_seq_length = max_seq_length
-
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, last: torch.Tensor | None = None,
                 kv_len: int | None = None, block_mask: dict | None = None, depth: int | None = None,
@@ -617,9 +612,7 @@ class Transformer(nn.Module):
         output layer: the target's own shallow draft (speculative.py). block,
         if given, runs each layer: block(layer, x, cos, sin, mask, input_pos)
         (one compiled forward that every layer shares)."""
-        ropes = {False: (self.rope_cos[input_pos], self.rope_sin[input_pos])}
-        if hasattr(self, "rope_local_cos"):
-            ropes[True] = (self.rope_local_cos[input_pos], self.rope_local_sin[input_pos])
+        ropes = {local: (cos[input_pos], sin[input_pos]) for local, (cos, sin) in self.rope_tables.items()}
         if block_mask is not None:
             masks = block_mask
         elif idx.shape[1] <= self.decode_kernels.get("attention", 0):  # the kernel needs no mask

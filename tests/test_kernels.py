@@ -304,5 +304,5 @@ def test_fusion_fuses_q_k_normed_attention(monkeypatch):
                          num_attention_heads=2, num_key_value_heads=1, qk_norm=qk_norm)
         model = fusion.fuse_for_decode(build_model(args, random_state_dict(args, torch.float32)))
         assert isinstance(model.layers[0].attention, fusion.FusedAttention) and model.decode_kernels["attention"]
-        assert hasattr(model.layers[0].attention, "q_norm") == qk_norm
+        assert isinstance(model.layers[0].attention.q_norm, fusion.RMSNorm) == qk_norm
         assert isinstance(model.layers[1].feed_forward.w13, fusion.FusedLinear)
