@@ -97,15 +97,14 @@ def default_compile(device) -> bool:
     """Whether the decode step is compiled when the caller does not say. On
     CUDA, yes: one TransformerBlock is compiled and shared by every layer
     (steps.py), inside the CUDA graph of the step. On CPUs, no: a cold
-    compile of the whole step (80-90 s on 2 cores, 8-10 s warm) costs more
-    than a typical short generation gains (SmolLM2: ~100 against ~120 tokens/s)."""
+    compile of the whole step takes minutes on a few cores, more than a
+    typical short generation gains (RESULTS.md)."""
     return torch.device(device).type == "cuda"
 
 
 def default_dtype(device: str) -> torch.dtype:
-    # bf16 halves the bytes read per token. On the 2-core development CPU it
-    # measured faster than fp32 too (SmolLM2: 31 vs 18 tokens/s eager, 38 vs 20
-    # compiled). Pass dtype="float32" for exactness.
+    # bf16 halves the bytes read per token; on CPUs it measured faster than
+    # fp32 too. Pass dtype="float32" for exactness.
     return torch.bfloat16
 
 

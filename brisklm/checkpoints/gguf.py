@@ -51,8 +51,8 @@ def open_reader(path):
         """GGUFReader over a plain ndarray view of its memory map.
 
         Slicing an np.memmap makes a memmap object per slice; over the ~100k
-        fields of a vocabulary that took most of the load time (4.4 s of 6.7 s
-        for SmolLM2). A plain view reads the same mapped pages."""
+        fields of a vocabulary that took most of the load time. A plain view
+        reads the same mapped pages."""
 
         @property
         def data(self):

@@ -181,8 +181,7 @@ if triton is not None:
         (norm_parts); 1 where the GEMV takes no norm (N_SQ 0). Each thread sums
         them itself, from scalar loads issued before the main loop: their latency
         hides behind it, and no program ends with an exchange between threads
-        (which cost more than the norm kernel saved: bf16 decode 254.8 against
-        255.7 tokens/s, then 260.1 this way, on an H200)."""
+        (which measured dearer than the norm kernel it saves; RESULTS.md)."""
         if N_SQ == 0:
             scale = 1.0
         else:
@@ -684,9 +683,8 @@ def _launch_int4_dp4a(x, codes, scale, zero, cfg, launch, packed=None, eps=0.0, 
     # The kernel is told how aligned its rows are (W_ALIGN int32 words of codes,
     # S_ALIGN scales): knowing only that K is a multiple of 16, Triton saw rows
     # of codes 8-byte aligned (64-bit loads) and rows of scales unaligned (one
-    # 2-byte load a scale). With 16-byte loads and the tile loaded along K,
-    # 2.20 instructions a code against 2.59 (sm_90 SASS),
-    # and int4 g128 decode 549 against 489 tokens/s on an H200.
+    # 2-byte load a scale). With 16-byte loads and the tile loaded along K the
+    # kernel issues fewer instructions a code, and int4 decodes faster.
     n, k = codes.shape[-2], codes.shape[-1] * 2
     block_n, block_k, split_k, warps = cfg
     out = torch.empty((split_k, n), device=codes.device, dtype=torch.float32)
@@ -730,8 +728,8 @@ def pack_x(x: torch.Tensor, group: int, norm_weight: torch.Tensor):
     """An RMSNorm's input x (K,) and weight g as the int4 dp4a GEMV after the
     norm reads them, in torch ops that inductor compiles into one kernel with
     the residual add that makes x. That kernel replaces the norm's, and no GEMV
-    program makes x's planes itself (their layout conversions cost up to 7.5%
-    of an int4 decode step, measured without them).
+    program makes x's planes itself (their layout conversions were a
+    noticeable share of an int4 decode step).
 
     The planes are those of x g: the norm's 1/rms is one factor for all of x,
     which the GEMV applies to its sums, from the sums of squares per group
@@ -739,9 +737,9 @@ def pack_x(x: torch.Tensor, group: int, norm_weight: torch.Tensor):
     Returns (hi, lo, step, x_sum, squares): the int8 planes of x g, as
     _x_planes makes them, (K / group, group) in x's order; per group its step,
     sum of x g, and sum of x**2. The sum is x g's own, not its represented
-    value's: that kept inductor to one kernel (and int4 decode at 576 against
-    566 tokens/s), for an error up to 2.7x the representation's, far under
-    bf16's rounding of norm(x) that it replaces (see the test)."""
+    value's: that keeps inductor to one kernel, for an error up to 2.7x the
+    representation's, far under bf16's rounding of norm(x) that it replaces
+    (see the test)."""
     v, squares = _norm_input(x, norm_weight, group)
     step = v.abs().amax(1, keepdim=True).clamp(min=1e-30) * (1 / 127)
     inv = 1 / step
@@ -851,14 +849,12 @@ def norm_parts(x: torch.Tensor, norm):
     kernel scales its sums by the norm's 1/rms. In torch ops that inductor
     compiles into one kernel of K / NORM_GROUP programs with the residual add
     that makes x, where the norm was one program reducing over all of x
-    between two GEMVs: bf16 decode 260.1 against 255.7 tokens/s on an H200.
-    (Groups of 256 or more keep inductor to one block size: under 256 it times
+    between two GEMVs (a kernel that measured slower). (Groups of 256 or more keep inductor to one block size: under 256 it times
     several at the first run and its picks vary between compiles.) x g is
     rounded to bf16 once, where norm(x) rounds twice.
 
-    The int8, fp8 and Q8_0 kernels measured no gain or a loss from the same
-    fold (int8 427.7 against 428.2, fp8 414.1 against 419.3); they apply the
-    norm first, and int4 folds it into x's planes (pack_x)."""
+    The int8, fp8 and Q8_0 kernels measured no gain from the same fold; they
+    apply the norm first, and int4 folds it into x's planes (pack_x)."""
     v, squares = _norm_input(x, norm.gain(), NORM_GROUP if x.numel() % NORM_GROUP == 0 else x.numel())
     return v.reshape(-1).to(x.dtype), squares, norm.eps
 

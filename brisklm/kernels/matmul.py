@@ -4,9 +4,8 @@ short prompt, and the verify step of speculative decoding.
 At up to FEW_ROWS tokens a Linear still costs its weight's bytes, not its
 arithmetic, so it should read the codes once, as the GEMVs do. The plain path
 widens the whole matrix to the activation dtype first and then multiplies:
-it writes and reads the weight again at two or four times its size (int8
-Llama-3.1-8B on an H200: 25 ms to first token for a 5-token prompt, against
-2.4 ms a decode step). Here each program loads a (BLOCK_N, BLOCK_K) tile of
+it writes and reads the weight again at two or four times its size (a
+short prompt cost ten decode steps). Here each program loads a (BLOCK_N, BLOCK_K) tile of
 codes, widens it in registers and multiplies it with the rows of x on the
 tensor cores (tl.dot), accumulating in fp32; the slices of K (SPLIT_K) give
 the GPU enough programs when N is small, and are summed by the caller. SWAP
@@ -164,10 +163,9 @@ def supported(x: torch.Tensor) -> bool:
 
 
 # Per weight kind: (BLOCK_N, BLOCK_K at most, warps, stages, SWAP, programs wanted); BLOCK_M is
-# the rows rounded up to 16. Measured on an H200 at 5 rows over the 8B shapes (benchmarks/few_rows.py
-# --sweep, 2026-12-02), where 32 candidates each spanned 4-10%: int8 356 us for a layer and the
-# output layer (one token through the GEMVs: 205), int4 g128 335 (156), dense bf16 364 against
-# cuBLAS's 356 (so fusion.py leaves dense weights to cuBLAS). Q8_0's scale per 32 inputs was not swept.
+# the rows rounded up to 16. The fastest of a sweep on an H200 at 5 rows over the 8B shapes
+# (benchmarks/few_rows.py --sweep); dense bf16 lost to cuBLAS there, so fusion.py leaves dense
+# weights to cuBLAS. Q8_0's scale per 32 inputs was not swept.
 CONFIG = {ROW_SCALED: (64, 128, 4, 3, True, 528), GROUPED_INT8: (64, 128, 4, 3, False, 264),
           INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, False, 264)}
 
