@@ -512,11 +512,11 @@ def _size(path: str) -> int:
 
 
 def cmd_quantize(args):
-    from .loading import check_kept_blocks, gptq_errors, gptq_transform, parse_dtype
+    from .loading import LoadOptions, check_kept_blocks, gptq_errors, parse_dtype, reader_transform
     from .console import log, progress_bar, step
     from .checkpoints import load, resolve
     from .checkpoints.native import NativeWriter, save_native
-    from .quantize import quantizer, untied
+    from .quantize import untied
     kind, source = resolve(args.checkpoint_path)
     repo = repo_id(args.checkpoint_path)  # (a hub snapshot: the output goes here, not into the hub's cache)
     output = args.output or (repo.split("/")[-1] if repo else os.path.splitext(source.rstrip("/"))[0]) + f"-{args.mode}"
@@ -525,11 +525,9 @@ def cmd_quantize(args):
               (args.groupsize if args.mode.startswith("int4") else None)}
     sink = None
     if args.mode in RTN_MODES or args.mode == "int4-gptq":  # quantized and written as it is read
-        if args.mode == "int4-gptq":  # (layer by layer: one layer dense at a time)
-            quantize = gptq_transform(source, args.groupsize, quiet=False)
-        else:
-            with as_user_error():
-                quantize = quantizer(args.mode, args.groupsize)
+        # (as load() quantizes as it reads; GPTQ layer by layer: one layer dense at a time)
+        quantize = reader_transform(source, None, LoadOptions(quantize=args.mode, groupsize=args.groupsize,
+                                                              quiet=False), rank=0, world=1)
         writer, written = NativeWriter(output), {}
 
         def sink(model_args, name, t):  # (the reader keeps what this returns: nothing)
