@@ -197,6 +197,13 @@ def load(path: str | None = None, *, preset: str | None = None, options: LoadOpt
     repo id; None: the bundled default model) or, with preset=NAME, a model
     of that shape with random weights, as `options` and the keywords `given`
     (LoadOptions' fields, which override it) say."""
+    known = [f.name for f in dataclasses.fields(LoadOptions)]
+    for name in given:
+        if name not in known:
+            import difflib
+            close = difflib.get_close_matches(name, known, 1)
+            raise TypeError(f"load() got an unexpected keyword argument {name!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else ""))
     opts = dataclasses.replace(options or LoadOptions(), **given)
     opts = resolved(opts)
     rank, world, group = tp_world() if opts.tensor_parallel is not False else (0, 1, None)
@@ -210,8 +217,6 @@ def load(path: str | None = None, *, preset: str | None = None, options: LoadOpt
               speculate=opts.speculate, draft_tokens=opts.draft_tokens, draft_layers=opts.draft_layers)
     if opts.speculate == "draft":
         with_draft_model(llm, path, preset, opts)
-    elif opts.draft_checkpoint_path or opts.draft_quantize or opts.draft_preset:
-        raise BriskError("draft_checkpoint_path, draft_quantize and draft_preset need speculate='draft'")
     if opts.warm_up:  # (no request waits for the compiler)
         llm.warm_up(quiet=opts.quiet)
     return llm
@@ -234,6 +239,8 @@ def resolved(opts: LoadOptions) -> LoadOptions:
             raise BriskError(f"unknown compile option {unknown[0]!r} (torch._inductor.list_options() names them)")
     if opts.speculate == "draft" and opts.draft_checkpoint_path and opts.draft_preset:
         raise BriskError("give either draft_checkpoint_path or draft_preset, not both")
+    if opts.speculate != "draft" and (opts.draft_checkpoint_path or opts.draft_quantize or opts.draft_preset):
+        raise BriskError("draft_checkpoint_path, draft_quantize and draft_preset need speculate='draft'")
     return dataclasses.replace(opts, quantize=quantize, device=device, compile=compile,
                                dtype=parse_dtype(opts.dtype) or default_dtype(device),
                                compile_prefill=bool(opts.compile_prefill))

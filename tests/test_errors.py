@@ -566,3 +566,12 @@ def test_a_mistyped_keyword_names_the_method_called_and_the_keyword_meant(llm):
         llm.chat([{"role": "user", "content": "hi"}], temprature=0.5)
     with pytest.raises(TypeError, match=r"LLM\.stream\(\) .*'colour' \(it takes max_new_tokens, stop, temperature"):
         llm.stream("hi", colour=1)
+
+
+def test_load_names_a_mistyped_keyword_and_refuses_draft_options_without_a_draft_model(hf_folder):
+    """Both before anything is read."""
+    with pytest.raises(TypeError, match=r"load\(\) .*'quantise'; did you mean 'quantize'\?"):
+        brisklm.load(hf_folder, quantise="int8")
+    with pytest.raises(BriskError) as e:
+        brisklm.load("no/such/folder", device="cpu", draft_quantize="int4")
+    brisk_error(e, "draft_quantize", "speculate='draft'")
