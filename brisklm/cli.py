@@ -348,9 +348,13 @@ def cmd_generate(args):
     from .constrain import from_files
     constraint = from_files(args.json_schema, args.grammar, args.regex, args.json_object)
     quiet = args.quiet or args.json
-    if args.compile is None and args.num_samples * args.max_new_tokens < ONE_SHOT_COMPILE_TOKENS:
+    one_shot = args.compile is None and args.num_samples * args.max_new_tokens < ONE_SHOT_COMPILE_TOKENS
+    if one_shot:
         args.compile = False  # (the compile, on another thread, would end after the run it competes with)
     llm = _load(args, quiet=quiet)
+    if one_shot and llm.generator.device.type == "cuda":
+        log(f"(fewer than {ONE_SHOT_COMPILE_TOKENS} tokens to decode: the steps run uncompiled, as a compile would "
+            f"end after them; --compile compiles)", quiet)
     seed = lambda i: None if args.seed is None else args.seed + i  # noqa: E731  (each sample its own)
     if args.preset:  # random weights and no tokenizer: token ids in, token ids out
         prompt_ids = [1 + i for i in range(5)]
