@@ -102,9 +102,11 @@ tokens = list(llm.generator.tokens([3, 14, 15, 9, 26, 5], 8, brisklm.sampling.Sa
 world = dist.get_world_size() if dist.is_initialized() else 1
 assert llm.model.layers[0].attention.n_heads == 4 // world  # (this rank's heads only)
 if world == 1 or dist.get_rank() == 0:
-    json.dump({"logits": logits.tolist(), "tokens": tokens, "whole": whole}, open(out, "w"))
-if world > 1:
-    dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump({"logits": logits.tolist(), "tokens": tokens, "whole": whole}, f)
+if world > 1:  # (then an exit without the interpreter's teardown, as brisk's CLI ends: there gloo's
+    dist.barrier()  # threads once aborted a rank, "terminate called without an active exception")
+    os._exit(0)
 """
 
 
