@@ -373,8 +373,8 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
         self.window, self.local_rope = args.window(layer), args.local_rope(layer)
         self.scale = args.query_pre_attn_scalar ** -0.5 if args.query_pre_attn_scalar else None
-        head_norm = lambda: RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm \
-            else nn.Identity()  # noqa: E731
+        def head_norm():  # (Qwen3, Gemma 3: an RMSNorm over each head of q and of k)
+            return RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset) if args.qk_norm else nn.Identity()
         self.q_norm, self.k_norm = head_norm(), head_norm()
 
     def forward(self, x, cos, sin, mask, input_pos):

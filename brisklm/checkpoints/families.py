@@ -22,10 +22,20 @@ class Family:
     gguf: str | None = None  # a GGUF file's general.architecture
     fixed: dict = field(default_factory=dict)  # ModelArgs fields the family always has
     hf_defaults: dict = field(default_factory=dict)  # config.json fields its files may leave out
-    hf_config: Callable[[dict, str], dict] | None = None  # (config, path) -> more of what config.json implies
-    gguf_args: Callable[[dict, Callable], dict] | None = None  # (args, get) -> what llama.cpp fixes, not stores
+    hf_more: Callable[[dict, str], dict] | None = None  # (config, path) -> more of what config.json implies
+    gguf_more: Callable[[dict, Callable], dict] | None = None  # (args, get) -> what llama.cpp fixes, not stores
     gguf_names: dict = field(default_factory=dict)  # GGUF per-layer names -> HF ones, beyond Llama's
     permuted_qk: bool = False  # llama.cpp's converter permuted q/k rows for its interleaved RoPE
+
+    def hf_config(self, config: dict, path: str) -> dict:
+        """config.json with what the family leaves implicit filled in."""
+        config = {**self.hf_defaults, **config, **self.fixed}
+        return self.hf_more(config, path) if self.hf_more else config
+
+    def gguf_args(self, args: dict, get) -> dict:
+        """The ModelArgs fields read from a GGUF file's metadata, with what the family fixes."""
+        args = {**args, **self.fixed}
+        return {**args, **self.gguf_more(args, get)} if self.gguf_more else args
 
 
 def gemma3_config(config: dict, path: str) -> dict:
@@ -81,9 +91,9 @@ FAMILIES = [
            hf_defaults={"use_sliding_window": False}),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf="qwen3", fixed={"qk_norm": True}),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf="qwen3moe", fixed={"qk_norm": True},
-           hf_defaults={"norm_topk_prob": False}, hf_config=qwen3_moe_config),
+           hf_defaults={"norm_topk_prob": False}, hf_more=qwen3_moe_config),
     Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), gguf="smollm3", permuted_qk=True,
-           gguf_args=smollm3_args),
+           gguf_more=smollm3_args),
     # Phi-3 / Phi-4: q/k/v in one tensor, and gate/up (Hugging Face stores them so too)
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), gguf="phi3",
            gguf_names={"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}),
@@ -91,8 +101,8 @@ FAMILIES = [
     # one before the MLP), (1 + w) norms, scaled embeddings, sliding layers with their own RoPE base
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf="gemma3",
            fixed={"qk_norm": True, "sandwich_norms": True, "norm_offset": 1.0},
-           hf_defaults={"rope_theta": 1e6, "query_pre_attn_scalar": 256}, hf_config=gemma3_config,
-           gguf_args=gemma3_args,
+           hf_defaults={"rope_theta": 1e6, "query_pre_attn_scalar": 256}, hf_more=gemma3_config,
+           gguf_more=gemma3_args,
            gguf_names={"ffn_norm.weight": "pre_feedforward_layernorm.weight",
                        "post_attention_norm.weight": "post_attention_layernorm.weight",
                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}),
@@ -118,16 +128,3 @@ def from_gguf(arch: str | None, path: str) -> Family:
     raise BriskError(f"{path}: unsupported architecture {arch!r} in general.architecture "
                      f"(supported: {', '.join(f.gguf for f in FAMILIES if f.gguf)})")
 
-
-def hf_config(config: dict, path: str) -> dict:
-    """config.json with what its family leaves implicit filled in."""
-    family = from_hf(config, path)
-    config = {**family.hf_defaults, **config, **family.fixed}
-    return family.hf_config(config, path) if family.hf_config else config
-
-
-def gguf_args(arch: str, args: dict, get, path: str) -> dict:
-    """The ModelArgs fields read from a GGUF file's metadata, with what its family fixes."""
-    family = from_gguf(arch, path)
-    args = {**args, **family.fixed}
-    return {**args, **family.gguf_args(args, get)} if family.gguf_args else args

@@ -108,7 +108,8 @@ def _f32(value) -> float:
 
 
 def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
-    arch = families.from_gguf(meta.get("general.architecture"), path).gguf
+    family = families.from_gguf(meta.get("general.architecture"), path)
+    arch = family.gguf
 
     def get(key, default=None, required=True):
         full = f"{arch}.{key}"
@@ -134,7 +135,7 @@ def read_args(meta: dict, path: str, tensor_names) -> ModelArgs:
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
         max_position_embeddings=get("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names)
-    args = families.gguf_args(arch, args, get, path)
+    args = family.gguf_args(args, get)
     rotated = get("rope.dimension_count", args["head_dim"], required=False)
     if rotated != args["head_dim"]:  # (Phi-4-mini: RoPE on the first `rotated` dims of each head)
         args["partial_rotary_factor"] = rotated / args["head_dim"]

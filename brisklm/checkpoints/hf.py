@@ -25,7 +25,7 @@ def read_config(folder: str) -> ModelArgs:
         raise BriskError(f"{path}: cannot read config: {e}") from None
     if not isinstance(config, dict):
         raise BriskError(f"{path}: cannot read config: expected a JSON object")
-    config = families.hf_config(config, path)
+    config = families.from_hf(config, path).hf_config(config, path)
     rope = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
     rope = rope.get("full_attention", rope)  # (Gemma 3's sliding layers are never scaled)
     kind = rope.get("rope_type") or rope.get("type") or "default"
