@@ -12,7 +12,7 @@
    ahead), gives the plain greedy tokens for prompt lookup and self-drafting,
    on the same model;
 3. an MoE layer's one-token step with its chosen experts read in place
-   (fusion.FusedMoE, gemv.expert_gemv), eager and compiled, against the
+   (fusion.FusedLinear.expert_forward, gemv.expert_gemv), eager and compiled, against the
    experts' own modules, in bf16 with int8, int4 and bf16 experts;
 4. `brisk generate --preset llama-3.1-8b --compile` end to end through the CLI;
 5. with --gguf: the bundled SmolLM2 on CUDA, compiled, answers "Paris".
@@ -32,6 +32,7 @@ from brisklm.fusion import fuse_for_decode
 from brisklm.kernels import gemv
 from brisklm.generate import Generator
 from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.quantize import FORMATS
 from brisklm.sampling import SamplingParams
 
 gemv.traced_as_constants()  # (this script compiles our modules itself, as load() does)
@@ -41,7 +42,7 @@ def check_compiled_equals_eager():
     args = ModelArgs(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
     state = random_state_dict(args, torch.float32, device="cuda", std=0.2)
-    model, plain = fuse_for_decode(build_model(args, state)), build_model(args, state)
+    model, plain = fuse_for_decode(build_model(args, state, FORMATS)), build_model(args, state, FORMATS)
     rows = []
     for prompt_len in (5, 120, 300):
         prompt = torch.randint(0, 256, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
@@ -63,8 +64,8 @@ def check_speculative_compiled():
     args = ModelArgs(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
     state = random_state_dict(args, torch.float32, device=DEVICE, std=0.2)
-    plain = Generator(fuse_for_decode(build_model(args, state)), 512)
-    spec = Generator(fuse_for_decode(build_model(args, state)), 512, compile=True)
+    plain = Generator(fuse_for_decode(build_model(args, state, FORMATS)), 512)
+    spec = Generator(fuse_for_decode(build_model(args, state, FORMATS)), 512, compile=True)
     rows = []
     for kind, drafter in (("ngram", NgramDrafter()), ("self", ModelDrafter(spec.model, depth=2))):
         for prompt_len in (7, 130):  # (the second crosses a block of the verify step's mask)
@@ -78,7 +79,7 @@ def check_speculative_compiled():
 
 
 def check_experts_in_place():
-    from brisklm.fusion import FusedMoE
+    from brisklm.fusion import FusedLinear
     from brisklm.quantize import quantize_state_dict
     args = ModelArgs(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
                      num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
@@ -87,11 +88,11 @@ def check_experts_in_place():
         state = random_state_dict(args, torch.bfloat16, device=DEVICE, std=0.05)
         if mode != "bf16":
             args_q, state = quantize_state_dict(args, state, mode, 128)
-        model = fuse_for_decode(build_model(args if mode == "bf16" else args_q, state))
+        model = fuse_for_decode(build_model(args if mode == "bf16" else args_q, state, FORMATS))
         model.setup_caches(1, 16)
         model.prepare()
         ffn = model.layers[0].feed_forward
-        assert isinstance(ffn, FusedMoE)
+        assert isinstance(ffn.experts[0].w13, FusedLinear)
         x = torch.randn(1, 512, device=DEVICE, dtype=torch.bfloat16)
         weights, chosen = ffn.route(x)
         with torch.no_grad():

@@ -27,7 +27,7 @@ from brisklm.fusion import fuse_for_decode
 from brisklm.kernels import gemv
 from brisklm.model import build_model, canonical_names, random_state_dict
 from brisklm.presets import preset
-from brisklm.quantize import dequantize, quantize_state_dict, quantized_entries
+from brisklm.quantize import FORMATS, dequantize, quantize_state_dict, quantized_entries
 
 gemv.traced_as_constants()  # (this script compiles our modules itself, as load() does)
 
@@ -67,15 +67,15 @@ def main():
     state = random_state_dict(args, torch.bfloat16, device=opts.device)
     prompt = torch.tensor([[1, 5, 9, 3, 7]], device=opts.device)
     rows = []
-    base, plain = fuse_for_decode(build_model(args, state)), build_model(args, state)
+    base, plain = fuse_for_decode(build_model(args, state, FORMATS)), build_model(args, state, FORMATS)
     eager = decode_logits(base, base, prompt)
     dense = decode_logits(plain, plain, prompt)  # no kernels of ours: cuBLAS
     compiled = decode_logits(base, torch.compile(base), prompt)
     rows.append(("bf16 (our GEMVs per the table, against cuBLAS)", rel(eager, dense), rel(compiled, eager)))
     for mode, group in (("int8", None), ("q8_0", None), ("fp8", None), ("int4", 128), ("int4", 32)):
         qargs, qstate = quantize_state_dict(args, state, mode, group or 128)
-        qmodel = fuse_for_decode(build_model(qargs, qstate))
-        dmodel = build_model(qargs, dense_copy(qargs, qstate))
+        qmodel = fuse_for_decode(build_model(qargs, qstate, FORMATS))
+        dmodel = build_model(qargs, dense_copy(qargs, qstate), FORMATS)
         d = decode_logits(dmodel, dmodel, prompt)
         e = decode_logits(qmodel, qmodel, prompt)
         torch._dynamo.reset()

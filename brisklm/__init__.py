@@ -4,7 +4,6 @@
     llm = brisklm.load()          # bundled SmolLM2-135M-Instruct, or a path
     llm.generate("The capital of France is", max_new_tokens=16)
 """
-from . import quantize  # noqa: F401  (registers the quantized weight formats with the model)
 from .api import LLM
 from .loading import LoadOptions, load
 from .errors import BriskError

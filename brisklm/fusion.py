@@ -13,10 +13,11 @@ only place a kernel route is chosen:
   (the model's norm becomes a pass-through), where the bf16 and int4 GEMVs
   apply it inside the kernel (no kernel between two GEMVs that reduces over
   all of x); the other routes apply it first;
-- an MoE layer becomes FusedMoE: one token's chosen experts are read in
-  place from the stacked weights, at their index on the device
-  (gemv.expert_gemv), where by_slot copies each one out first;
-- Attention becomes FusedAttention: one token's RoPE, cache write and
+- an MoE layer's experts' Linears too: one token's chosen experts are
+  read in place from the stacked weights, at their index on the device
+  (FusedLinear.expert_forward, gemv.expert_gemv), where the plain format
+  copies each one out first;
+- Attention becomes FusedAttention (the same modules): one token's RoPE, cache write and
   attention in one kernel (kernels/attention.py) that reads the filled
   length on the device, so a decode step needs no host value and replays
   from a CUDA graph uncompiled.
@@ -163,6 +164,17 @@ class FusedLinear(WeightFormat):
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def expert_forward(self, stacked, x, e):
+        """An MoE expert's matrix read in place in the stacked tensors, where
+        the route has a kernel for it (one token): no copy of the expert."""
+        parts = {name.removeprefix("inner."): t for name, t in stacked.items()}
+        y = self.route.expert(self.inner, parts, x.reshape(-1), e) \
+            if x.numel() == self.in_features and gemv.available(x.device) else None
+        if y is None:
+            return super().expert_forward(stacked, x, e)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
     def prepare(self, device, compiled=False):
         """Nothing: the kernels read `inner` as stored."""
 
@@ -173,6 +185,16 @@ class FusedAttention(Attention):
     the queries and keys, the keys and values stored at input_pos, attention
     over the positions each token sees (the last `window` of them), the
     per-head q/k norms first where the model has them (Qwen3, Gemma 3)."""
+
+    @classmethod
+    def replacing(cls, plain: Attention, args, layer: int) -> "FusedAttention":
+        """The FusedAttention of the same layer, holding plain's modules (its
+        Linears, norms and cache): the same state at the same names."""
+        with torch.device("meta"):
+            fused = cls(args, layer)
+        for name, module in plain.named_children():
+            setattr(fused, name, module)
+        return fused
 
     def forward(self, x, cos, sin, mask, input_pos):
         T = x.shape[1]
@@ -192,38 +214,6 @@ class FusedAttention(Attention):
         return self.wo(y)
 
 
-class FusedMoE(MoEFeedForward):
-    """An MoE layer whose steps inside a compiled graph or a CUDA graph (one
-    token, or a verify step's few) multiply each token by its chosen experts'
-    matrices where they lie in the stacked tensors, the index read on the
-    device by the GEMV (gemv.expert_gemv): a decode step reads the chosen
-    experts' weights once, as a dense model's step reads its own."""
-
-    def by_slot(self, x, weights, chosen):
-        if self.stacked is None:
-            self.stack()
-        expert = self.experts[0]
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for m in range(x.shape[0]):  # (a few rows at most here: a speculative step's verify forward)
-            for j in range(self.top_k):
-                e = chosen[m, j:j + 1]  # (a tensor index: no host read)
-                gate, up = self.expert_matmul("w13", x[m], e).split(expert.intermediate_size)
-                y[m] += self.expert_matmul("w2", (expert.act(gate) * up).to(x.dtype), e) * weights[m, j]
-        return y
-
-    def expert_matmul(self, name: str, x, e):
-        """(N,) fp32: x (K,) times the `name` matrix of expert e ((1,), on the device)."""
-        linear = getattr(self.experts[0], name)
-        part = {p: self.stacked[f"{name}.inner.{p}"] for p in ("weight", "packed", "scale", "zero")
-                if f"{name}.inner.{p}" in self.stacked}
-        y = linear.route.expert(linear.inner, part, x, e)
-        if y is not None:
-            return y
-        # no kernel reads this format in place: the expert's tensors copied out, as by_slot does
-        tensors = {f"inner.{p}": t.index_select(0, e)[0] for p, t in part.items()}
-        return torch.func.functional_call(linear, tensors, (x[None],))[0].float()
-
-
 def fuse_for_decode(model: Transformer) -> Transformer:
     """Swap in the Triton decode kernels where they run (see the module's
     docstring); elsewhere, or once done, return the model unchanged. Call it
@@ -237,19 +227,18 @@ def fuse_for_decode(model: Transformer) -> Transformer:
     def fold(linear, norm):
         return FusedLinear(linear, norm), Folded()
 
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn, ffn = layer.attention, layer.feed_forward
         attn.wqkv, layer.attention_norm = fold(attn.wqkv, layer.attention_norm)
         attn.wo = FusedLinear(attn.wo)
         if isinstance(ffn, MoEFeedForward):  # each expert's Linears (its norm stays: the router reads it too)
-            for expert in ffn.experts:
+            for expert in ffn.experts:  # (a decode step then reads the chosen experts in place: expert_forward)
                 expert.w13, expert.w2 = FusedLinear(expert.w13), FusedLinear(expert.w2)
-            ffn.__class__ = FusedMoE  # same state, the experts read in place
         else:
             ffn.w13, layer.ffn_norm = fold(ffn.w13, layer.ffn_norm)
             ffn.w2 = FusedLinear(ffn.w2)
         if fused_attention:
-            attn.__class__ = FusedAttention  # same state, the kernel's forward in front
+            layer.attention = FusedAttention.replacing(attn, a, i)
     model.output, model.norm = fold(model.output, model.norm)
     # (a long prompt's prefill runs in chunks, steps.py: of the size a format's route suits)
     chunk = max((m.route.prefill_chunk for m in model.modules() if isinstance(m, FusedLinear)), default=0)

@@ -20,6 +20,7 @@ from .errors import BriskError, as_user_error
 from .memory import out_of_memory, plan_memory
 from .model import ModelArgs, Transformer, build_model, random_state_dict
 from .modes import LOAD_MODES, RTN_MODES
+from .quantize import FORMATS
 
 
 @dataclasses.dataclass
@@ -341,7 +342,7 @@ def build(weights: Weights, opts: LoadOptions, rank: int, world: int, group) -> 
     split over the ranks."""
     if opts.quantize == "q8_0" and torch.device(opts.device).type == "cpu" and not opts.compile:
         log("Note: uncompiled, q8_0 runs group by group on CPUs, slower than int8 (as fast compiled)", opts.quiet)
-    model = build_model(weights.args, weights.state)
+    model = build_model(weights.args, weights.state, FORMATS)
     # The model holds the tensors now: a reference kept in the state dict would
     # keep each one alive after preparing copies it (an MoE's stacked experts:
     # bf16 Mixtral held 2x its 93 GB and did not fit an H200).

@@ -328,6 +328,12 @@ class WeightFormat(nn.Module):
     def prepare(self, device: torch.device, compiled: bool = False):
         """Re-lay the tensors out for `device` (compiled: for a compiled step)."""
 
+    def expert_forward(self, stacked: dict[str, torch.Tensor], x, e):
+        """x times expert e's matrix, where `stacked` holds this module's
+        tensors for every expert along dim 0 (an MoE layer's decode step; e a
+        (1,) tensor on the device). Here: e's tensors indexed out, then forward."""
+        return torch.func.functional_call(self, {name: t.index_select(0, e)[0] for name, t in stacked.items()}, (x,))
+
 
 class Linear(WeightFormat, nn.Linear):
     """Dense weights (nn.Linear's parameters)."""
@@ -350,12 +356,10 @@ class Format:
     embedding: Callable | None = None  # (parts, dtype) -> an embedding module
 
 
-FORMATS: dict[str, Format] = {}  # by the codes' suffix; quantize.py registers its formats
-
-
-def format_entries(state: dict, name: str) -> tuple[str, dict[str, torch.Tensor]] | None:
-    """(codes' suffix, parts) stored for weight `name` in a registered format, or None."""
-    for kind, fmt in FORMATS.items():
+def format_entries(state: dict, name: str, formats: dict[str, Format]) -> tuple[str, dict] | None:
+    """(codes' suffix, parts) stored for weight `name` in one of `formats` (by
+    the codes' suffix), or None."""
+    for kind, fmt in formats.items():
         if f"{name}_{kind}" in state:
             return kind, {s: state[f"{name}_{s}"] for s in fmt.parts}
     return None
@@ -492,13 +496,15 @@ class MoEFeedForward(nn.Module):
     def by_slot(self, x, weights, chosen):
         if self.stacked is None:
             self.stack()
+        expert = self.experts[0]
+        w13, w2 = ({name[len(m) + 1:]: t for name, t in self.stacked.items() if name.startswith(m + ".")}
+                   for m in ("w13", "w2"))
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for m in range(x.shape[0]):
             for j in range(self.top_k):
                 e = chosen[m, j:j + 1]  # (a tensor index: no host read)
-                tensors = {name: t.index_select(0, e)[0] for name, t in self.stacked.items()}
-                out = torch.func.functional_call(self.experts[0], tensors, (x[m:m + 1],))
-                y[m] += out[0].float() * weights[m, j]
+                gate, up = expert.w13.expert_forward(w13, x[m:m + 1], e).split(expert.intermediate_size, dim=-1)
+                y[m] += expert.w2.expert_forward(w2, expert.act(gate) * up, e)[0].float() * weights[m, j]
         return y
 
     def stack(self):
@@ -755,14 +761,16 @@ def canonical_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return names
 
 
-def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transformer:
+def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor],
+                formats: dict[str, Format] | None = None) -> Transformer:
     """Make a Transformer whose parameters are the given tensors (no copy).
 
     The module is created on the meta device and the tensors assigned, so the
-    weights exist once, wherever the reader put them. A weight stored in a
-    registered format (FORMATS: quantize.py's `W_int8`, `W_int4`, ... entries)
-    becomes that format's module; so does a quantized embedding table. The
-    tensors stay as stored: `Transformer.prepare` lays them out for a device."""
+    weights exist once, wherever the reader put them. A weight stored in one
+    of `formats` (quantize.FORMATS: `W_int8`, `W_int4`, ... entries) becomes
+    that format's module; so does a quantized embedding table. The tensors
+    stay as stored: `Transformer.prepare` lays them out for a device."""
+    formats = formats or {}
     expected = canonical_names(args)
     stored = {}
     for name, shape in expected.items():
@@ -771,11 +779,13 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transfo
                 raise ValueError(f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, "
                                  f"expected {shape}")
             continue
-        found = format_entries(state_dict, name)
+        found = format_entries(state_dict, name, formats)
         if found is None:
-            missing = [n for n in expected if n not in state_dict and format_entries(state_dict, n) is None]
-            raise ValueError(f"missing tensor {name!r} ({len(missing)} missing)")
-        if not FORMATS[found[0]].fits(found[1], shape):
+            missing = [n for n in expected if n not in state_dict and format_entries(state_dict, n, formats) is None]
+            stored = " (stored quantized: build_model needs the formats, quantize.FORMATS)" \
+                if not formats and any(k.startswith(name + "_") for k in state_dict) else ""
+            raise ValueError(f"missing tensor {name!r} ({len(missing)} missing){stored}")
+        if not formats[found[0]].fits(found[1], shape):
             raise ValueError(f"quantized tensor {name!r} does not fit shape {shape}")
         stored[name] = found
     with torch.device("meta"):
@@ -786,13 +796,13 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor]) -> Transfo
     dtype = model.norm.weight.dtype
     for name, (kind, parts) in stored.items():
         if name == "tok_embeddings.weight":
-            model.tok_embeddings = FORMATS[kind].embedding(parts, dtype)
+            model.tok_embeddings = formats[kind].embedding(parts, dtype)
             continue
         path, _ = name.rsplit(".", 1)  # "layers.3.attention.wqkv"
         parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
         parent = model.get_submodule(parent_path)
         bias = state_dict.get(path + ".bias")
-        setattr(parent, attr, FORMATS[kind].linear(parts, expected[name][1], dtype, bias))
+        setattr(parent, attr, formats[kind].linear(parts, expected[name][1], dtype, bias))
     return model.eval().requires_grad_(False)
 
 

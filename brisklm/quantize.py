@@ -2,7 +2,7 @@
 
 The model code is unchanged: a quantized weight lives in the state dict under
 the Linear's name with a suffix, and `build_model` makes the module that
-reads it (each format registers itself in model.FORMATS). Nothing is ever
+reads it (FORMATS, below, which the loader hands it). Nothing is ever
 dequantized into a full-precision copy of the whole model:
 
   int8  `W_int8` (N, K) int8 and `W_scale` (N,): w = q * scale; or `W_scale`
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import FORMATS, Format, WeightFormat, canonical_names, format_entries, layer_part
+from .model import Format, WeightFormat, canonical_names, format_entries, layer_part
 from .modes import GROUP_SIZES, RTN_MODES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -214,7 +214,7 @@ def quantize_embedding(state: dict, groupsize: int = 32) -> dict:
 
 def quantized_entries(state: dict, name: str) -> dict[str, torch.Tensor] | None:
     """The quantized parts stored for Linear weight `name`, or None if it is dense."""
-    found = format_entries(state, name)
+    found = format_entries(state, name, FORMATS)
     return found and found[1]
 
 
@@ -431,15 +431,16 @@ def int4_fits(parts: dict, shape: tuple) -> bool:
             and s.dim() == 2 and s.shape[0] == n and (2 * q.shape[1]) % s.shape[1] == 0)
 
 
-FORMATS["int8"] = Format(("int8", "scale"), int8_linear, int8_fits,
-                         embedding=lambda p, dtype: Int8Embedding(p["int8"], p["scale"], dtype))
-FORMATS["fp8"] = Format(("fp8", "scale"), lambda p, k, dtype, bias: ScaledWeightOnlyLinear(p["fp8"], p["scale"],
-                                                                                           dtype, bias),
-                        lambda p, shape: p["fp8"].shape == shape and p["scale"].shape == shape[:1])
-FORMATS["int4"] = Format(("int4", "scale", "zero"),
-                         lambda p, k, dtype, bias: Int4WeightOnlyLinear(p["int4"], p["scale"].float(),
-                                                                        p["zero"].float(), k, dtype, bias),
-                         int4_fits)
+FORMATS = {  # the quantized formats by their codes' suffix: what build_model(..., FORMATS) reads
+    "int8": Format(("int8", "scale"), int8_linear, int8_fits,
+                   embedding=lambda p, dtype: Int8Embedding(p["int8"], p["scale"], dtype)),
+    "fp8": Format(("fp8", "scale"), lambda p, k, dtype, bias: ScaledWeightOnlyLinear(p["fp8"], p["scale"], dtype, bias),
+                  lambda p, shape: p["fp8"].shape == shape and p["scale"].shape == shape[:1]),
+    "int4": Format(("int4", "scale", "zero"),
+                   lambda p, k, dtype, bias: Int4WeightOnlyLinear(p["int4"], p["scale"].float(), p["zero"].float(),
+                                                                  k, dtype, bias),
+                   int4_fits),
+}
 
 
 def quantized_linear(parts: dict[str, torch.Tensor], in_features: int, dtype, bias=None) -> WeightFormat:

@@ -29,7 +29,8 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from .model import FORMATS, ModelArgs, canonical_names, layer_part
+from .model import ModelArgs, canonical_names, layer_part
+from .quantize import FORMATS
 
 COLUMN = ("attention.wqkv.weight", "attention.wqkv.bias", "feed_forward.w13.weight")
 ROW = ("attention.wo.weight", "feed_forward.w2.weight")

@@ -20,10 +20,10 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from brisklm.fusion import FusedAttention, FusedLinear, FusedMoE, fuse_for_decode
+from brisklm.fusion import FusedAttention, FusedLinear, fuse_for_decode
 from brisklm.kernels import attention, gemv, matmul
 from brisklm.model import KVCache, ModelArgs, RMSNorm, apply_rope, build_model, random_state_dict
-from brisklm.quantize import (dequantize, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
+from brisklm.quantize import (FORMATS, dequantize, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
                               quantize_state_dict, quantized_entries)
 
 # (N, K): SmolLM2-135M's wqkv and w2 (its wo and w13 differ only in N), and
@@ -258,7 +258,7 @@ def int4_gemv_applies_the_norm_before_it():
                 state[name] = state[name] + torch.rand(state[name].shape) * 0.5
         qargs, qstate = quantize_state_dict(args, state, "int4", 32)
         qstate = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in qstate.items()}
-        models = [fuse_for_decode(build_model(qargs, qstate)), build_model(qargs, dequantized(qstate, torch.bfloat16))]
+        models = [fuse_for_decode(build_model(qargs, qstate, FORMATS)), build_model(qargs, dequantized(qstate, torch.bfloat16), FORMATS)]
         assert models[0].layers[0].attention.wqkv.norm is not None  # the norm moved into the Linear after it
         for m in models:
             m.setup_caches(1, 16)
@@ -279,7 +279,7 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
             state = random_state_dict(args, dtype, std=0.1)
             for mode, group in (("int8", None), ("fp8", None), ("int4", 32)):
                 qargs, qstate = quantize_state_dict(args, state, mode, group or 32)
-                a, b = fuse_for_decode(build_model(qargs, qstate)), build_model(qargs, dequantized(qstate, dtype))
+                a, b = fuse_for_decode(build_model(qargs, qstate, FORMATS)), build_model(qargs, dequantized(qstate, dtype), FORMATS)
                 assert isinstance(a.layers[0].attention.wqkv, FusedLinear) and a.decode_kernels
                 for m in (a, b):
                     m.setup_caches(1, 16)
@@ -300,7 +300,7 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
     moe = ModelArgs(**{**args.to_dict(), "num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": False})
     for mode, group in (("int8", None), ("int4", 32)):
         qargs, qstate = quantize_state_dict(moe, random_state_dict(moe, torch.float32, std=0.1), mode, group or 32)
-        a, b = fuse_for_decode(build_model(qargs, qstate)), build_model(qargs, dequantized(qstate))
+        a, b = fuse_for_decode(build_model(qargs, qstate, FORMATS)), build_model(qargs, dequantized(qstate), FORMATS)
         assert isinstance(a.layers[0].feed_forward.experts[3].w2, FusedLinear)
         for m in (a, b):
             m.setup_caches(1, 16)
@@ -313,17 +313,18 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
             weights, chosen = ffn.route(x)
             assert torch.allclose(ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen), atol=1e-5)
         checked.append(f"moe {mode}")
-    # bf16: one token's chosen experts read in place from the stacked weights (FusedMoE, gemv.expert_gemv),
+    # bf16: one token's chosen experts read in place from the stacked weights (FusedLinear.expert_forward,
+    # gemv.expert_gemv),
     # against the experts' own modules (by_expert)
     with counted(gemv, "expert_gemv") as in_place:
         for mode in ("int8", "int4", "bf16"):
             state = random_state_dict(moe, torch.bfloat16, std=0.1)
             qargs, qstate = (moe, state) if mode == "bf16" else quantize_state_dict(moe, state, mode, 32)
-            a = fuse_for_decode(build_model(qargs, qstate))
+            a = fuse_for_decode(build_model(qargs, qstate, FORMATS))
             a.setup_caches(1, 16)
             a.prepare()
             ffn = a.layers[1].feed_forward
-            assert isinstance(ffn, FusedMoE)
+            assert all(isinstance(m, FusedLinear) for m in (ffn.experts[0].w13, ffn.experts[0].w2))
             in_place.clear()
             with torch.no_grad():
                 x = torch.randn(2, 64).bfloat16()  # (two rows: a verify step's)
@@ -496,7 +497,7 @@ def model_decodes_the_same_through_the_attention_kernel():
         for name in state:  # (norm weights away from 1 - offset, so a misplaced offset shows)
             if name.endswith("norm.weight"):
                 state[name] = state[name] + torch.rand(state[name].shape) * 0.5
-        fused, plain = fuse_for_decode(build_model(args, state)), build_model(args, state)
+        fused, plain = fuse_for_decode(build_model(args, state, FORMATS)), build_model(args, state, FORMATS)
         assert isinstance(fused.layers[1].attention, FusedAttention) and not plain.decode_kernels
         for kv_int8 in (False, True):
             outputs = []

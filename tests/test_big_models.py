@@ -170,9 +170,9 @@ def test_stacking_experts_does_not_keep_the_loaded_copies_alive(monkeypatch):
     loaded, alive_at_prepare = [], []
     build, prepare = loading.build_model, MoEFeedForward.prepare
 
-    def build_model(args, state):
+    def build_model(args, state, formats=None):
         loaded.extend(weakref.ref(t) for name, t in state.items() if ".experts." in name)
-        return build(args, state)
+        return build(args, state, formats)
 
     def prepare_after_check(self, device, compiled=False):
         alive_at_prepare.append(sum(r() is not None for r in loaded))

@@ -11,6 +11,7 @@ import forked_brisk
 from brisklm.checkpoints import load
 from brisklm.checkpoints.native import save_native
 from brisklm.model import build_model
+from brisklm.quantize import FORMATS
 
 
 def brisk(*args, env=None, input=None, timeout=300):
@@ -103,7 +104,7 @@ def test_native_round_trip_of_a_hf_folder_keeps_logits(tmp_path):
     ckpt = load(str(tmp_path / "hf"))
     save_native(str(tmp_path / "native"), ckpt.args, ckpt.state_dict, ckpt.tokenizer)
     again = load(str(tmp_path / "native"))
-    a, b = build_model(ckpt.args, ckpt.state_dict), build_model(again.args, again.state_dict)
+    a, b = build_model(ckpt.args, ckpt.state_dict, FORMATS), build_model(again.args, again.state_dict, FORMATS)
     ids = torch.tensor([[1, 2, 3, 4]])
     for m in (a, b):
         m.setup_caches(1, 8)

@@ -141,11 +141,11 @@ def test_compiled_q8_0_decode_step_equals_eager():
     """Q8_0 matrices (mode q8_0) in a bf16 model on a CPU: the compiled step
     reads them rows-last (GroupedInt8Linear's layout for it), wo straight after
     flex attention (which took no fused conversion of its output)."""
-    from brisklm.quantize import quantize_state_dict
+    from brisklm.quantize import FORMATS, quantize_state_dict
     args = ModelArgs(**{**TINY.to_dict(), "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "head_dim": 16})  # every matrix in groups of 32
     args, state = quantize_state_dict(args, random_state_dict(args, torch.float32, std=0.1), "q8_0", 32)
-    model = build_model(args, {n: t.bfloat16() if t.is_floating_point() else t for n, t in state.items()})
+    model = build_model(args, {n: t.bfloat16() if t.is_floating_point() else t for n, t in state.items()}, FORMATS)
     eager = list(Generator(model, 64).tokens([1, 2, 3], 12, GREEDY))
     compiled = list(Generator(model, 64, compile=True).tokens([1, 2, 3], 12, GREEDY))
     assert model.layers[0].attention.wo.layout == "rows_last"

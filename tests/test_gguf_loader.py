@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from brisklm.checkpoints import load  # noqa: E402
 from brisklm.model import build_model  # noqa: E402
+from brisklm.quantize import FORMATS  # noqa: E402
 
 CONFIG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -118,7 +119,7 @@ def write_gguf(model, path, np_dtype=np.float32, tied=False, arch="llama"):
 
 def assert_logits_match(ckpt, model, tokens: int, cache: int):
     """Our model built from ckpt gives transformers' fp32 logits (<= 1e-4) on seeded random ids."""
-    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours = build_model(ckpt.args, ckpt.state_dict, FORMATS)
     ours.setup_caches(1, cache)
     ids = torch.randint(0, 97, (1, tokens), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -332,9 +333,9 @@ def test_q8_0_matrices_are_kept_as_grouped_int8_where_our_gemv_runs(tmp_path, hf
         parts = quantized_entries(kept.state_dict, name)
         assert parts["int8"].dtype == torch.int8 and parts["scale"].shape[1] == parts["int8"].shape[1] // 32
         assert torch.equal(dequantize(parts), dense.state_dict[name])
-    ours = build_model(kept.args, kept.state_dict)
+    ours = build_model(kept.args, kept.state_dict, FORMATS)
     assert isinstance(ours.layers[0].feed_forward.w2, GroupedInt8Linear)
-    ref = build_model(dense.args, dense.state_dict)
+    ref = build_model(dense.args, dense.state_dict, FORMATS)
     ids = torch.tensor([[1, 7, 42, 3]])
     for m in (ours, ref):
         m.setup_caches(1, 16)
@@ -361,7 +362,7 @@ def test_quantize_gguf_writes_every_q8_0_matrix_as_stored(tmp_path, hf_model):
         parts = quantized_entries(again.state_dict, name)
         assert parts["int8"].dtype == torch.int8 and parts["scale"].shape[1] == parts["int8"].shape[1] // 32
         assert torch.equal(dequantize(parts), dense.state_dict[name])
-    ours, ref = build_model(again.args, again.state_dict), build_model(dense.args, dense.state_dict)
+    ours, ref = build_model(again.args, again.state_dict, FORMATS), build_model(dense.args, dense.state_dict, FORMATS)
     assert isinstance(ours.layers[1].feed_forward.w2, GroupedInt8Linear)
     ids = torch.tensor([[1, 7, 42, 3]])
     for m in (ours, ref):

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from brisklm.checkpoints import load  # noqa: E402
 from brisklm.model import build_model  # noqa: E402
+from brisklm.quantize import FORMATS  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -105,7 +106,7 @@ def make_folder(tmp_path, case):
 def test_logits_match_transformers(tmp_path, case):
     ref = make_folder(tmp_path, case)
     ckpt = load(str(tmp_path), dtype=torch.float32)
-    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours = build_model(ckpt.args, ckpt.state_dict, FORMATS)
     ours.setup_caches(1, 64)
     ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -136,7 +137,7 @@ def test_a_rope_scaling_or_partial_rotary_not_supported_is_one_line_naming_it(tm
 def test_decode_with_exact_kv_len_matches_full_cache(tmp_path):
     make_folder(tmp_path, "llama-gqa-llama3-rope")
     ckpt = load(str(tmp_path), dtype=torch.float32)
-    model = build_model(ckpt.args, ckpt.state_dict)
+    model = build_model(ckpt.args, ckpt.state_dict, FORMATS)
     model.setup_caches(1, 64)
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -159,7 +160,7 @@ def test_gemma3_config_in_the_older_keys_loads_the_same_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     ckpt = load(str(tmp_path), dtype=torch.float32)
     assert ckpt.args.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
-    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours = build_model(ckpt.args, ckpt.state_dict, FORMATS)
     ours.setup_caches(1, 64)
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -184,7 +185,7 @@ def test_greedy_tokens_over_32_steps_equal_transformers(tmp_path, case):
     from brisklm.sampling import SamplingParams
     ref = make_folder(tmp_path, case)
     ckpt = load(str(tmp_path), dtype=torch.float32)
-    got = list(Generator(build_model(ckpt.args, ckpt.state_dict), 64).tokens([5, 7, 11, 13], 32, SamplingParams()))
+    got = list(Generator(build_model(ckpt.args, ckpt.state_dict, FORMATS), 64).tokens([5, 7, 11, 13], 32, SamplingParams()))
     assert got == greedy_reference(ref, [5, 7, 11, 13], 32)
 
 
@@ -204,7 +205,7 @@ def test_compiled_step_gives_the_eager_tokens_in_every_weight_format(tmp_path, c
     for mode, groupsize in (("none", 0), ("int8", 0), ("int4", 32)):
         args, state = ((ckpt.args, ckpt.state_dict) if mode == "none" else
                        quantize_state_dict(ckpt.args, dict(ckpt.state_dict), mode, groupsize))
-        runs = [list(Generator(build_model(args, state), 64, compile=compiled).tokens(
+        runs = [list(Generator(build_model(args, state, FORMATS), 64, compile=compiled).tokens(
             [5, 7, 11, 13], 24, SamplingParams())) for compiled in (False, True)]
         assert runs[0] == runs[1], mode
 
@@ -215,7 +216,7 @@ def test_longrope_takes_its_long_factors_when_the_cache_outgrows_the_original_co
     it (and llama.cpp for such a context): logits of an 80-token forward equal."""
     ref = make_folder(tmp_path, "phi3-longrope")
     ckpt = load(str(tmp_path), dtype=torch.float32)
-    ours = build_model(ckpt.args, ckpt.state_dict)
+    ours = build_model(ckpt.args, ckpt.state_dict, FORMATS)
     ours.setup_caches(1, 128)
     ids = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

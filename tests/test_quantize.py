@@ -8,7 +8,7 @@ from brisklm.checkpoints import load
 from brisklm.checkpoints.native import save_native
 from brisklm.evaluate import default_text, perplexity_and_kl
 from brisklm.model import ModelArgs, build_model, random_state_dict
-from brisklm.quantize import (dequantize, quantized_linear_names, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
+from brisklm.quantize import (FORMATS, dequantize, quantized_linear_names, pack_int4, quantize_fp8, quantize_int4, quantize_int8,
                               quantize_state_dict, quantized_entries, quantized_linear,
                               unpack_int4)
 
@@ -107,7 +107,7 @@ def test_quantized_model_with_attention_bias_matches_its_dequantized_weights():
                 base = name[:-len(suffix)]
                 dense[base] = dequantize(quantized_entries(qstate, base))
     dense = {k: v for k, v in dense.items() if not k.endswith(("_int4", "_scale", "_zero"))}
-    a, b = build_model(qargs, qstate), build_model(qargs, dense)
+    a, b = build_model(qargs, qstate, FORMATS), build_model(qargs, dense, FORMATS)
     for m in (a, b):
         m.setup_caches(1, 16)
     ids = torch.tensor([[1, 5, 9, 3]])
@@ -134,7 +134,7 @@ def test_quantized_experts_compute_with_their_dequantized_weights_either_way(mod
     for name in quantized_linear_names(qargs) + ["tok_embeddings.weight"]:
         if quantized_entries(qstate, name):
             dense[name] = dequantize(quantized_entries(qstate, name))
-    a, b = build_model(qargs, qstate).prepare("cpu"), build_model(qargs, dense)
+    a, b = build_model(qargs, qstate, FORMATS).prepare("cpu"), build_model(qargs, dense, FORMATS)
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     for m in (a, b):
         m.setup_caches(1, 16)
@@ -177,7 +177,7 @@ def test_gguf_native_logits_equal_the_dequantized_model(smollm2_gguf):
     from brisklm.quantize import GroupedInt8Linear, Int8Embedding
     dense = load(smollm2_gguf, dtype=torch.float32)
     kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks="output")
-    a, b = build_model(dense.args, dense.state_dict), build_model(kept.args, kept.state_dict)
+    a, b = build_model(dense.args, dense.state_dict, FORMATS), build_model(kept.args, kept.state_dict, FORMATS)
     assert isinstance(b.output, GroupedInt8Linear) and isinstance(b.tok_embeddings, Int8Embedding)
     assert not kept.args.tie_word_embeddings
     ids = torch.tensor([dense.tokenizer.encode("def fibonacci(n):\n    return n if n < 2 else")])
@@ -208,9 +208,9 @@ def test_quantized_quality_bounds(smollm2_gguf, mode, groupsize, dtype, max_ppl_
     (g64 +32%, g128 +55%; benchmarks/RESULTS.md, quality), so only g32 is bounded here."""
     ckpt = load(smollm2_gguf, dtype=dtype)
     ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
-    dense = build_model(ckpt.args, ckpt.state_dict)
+    dense = build_model(ckpt.args, ckpt.state_dict, FORMATS)
     args, state = quantize_state_dict(ckpt.args, ckpt.state_dict, mode, groupsize or 128)
-    ppl, ppl_ref, kl = perplexity_and_kl(build_model(args, state), dense, ids, window=256)
+    ppl, ppl_ref, kl = perplexity_and_kl(build_model(args, state, FORMATS), dense, ids, window=256)
     assert ppl <= ppl_ref * (1 + max_ppl_increase)
     assert 0 <= kl <= max_kl
 
@@ -221,8 +221,8 @@ def test_gguf_native_quality_in_bf16(smollm2_gguf):
     ckpt = load(smollm2_gguf, dtype=torch.bfloat16)
     kept = load(smollm2_gguf, dtype=torch.bfloat16, keep_gguf_blocks="output")
     ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
-    ppl, ppl_ref, kl = perplexity_and_kl(build_model(kept.args, kept.state_dict),
-                                         build_model(ckpt.args, ckpt.state_dict), ids, window=256)
+    ppl, ppl_ref, kl = perplexity_and_kl(build_model(kept.args, kept.state_dict, FORMATS),
+                                         build_model(ckpt.args, ckpt.state_dict, FORMATS), ids, window=256)
     assert ppl <= ppl_ref * 1.01 and 0 <= kl <= 0.005
 
 
@@ -238,7 +238,7 @@ def test_quantized_checkpoint_round_trip_is_bit_exact(tmp_path, mode):
     assert again.args == qargs and again.state_dict.keys() == state.keys()
     for k, t in state.items():
         assert torch.equal(again.state_dict[k], t), k
-    a, b = build_model(qargs, state), build_model(again.args, again.state_dict)
+    a, b = build_model(qargs, state, FORMATS), build_model(again.args, again.state_dict, FORMATS)
     for m in (a, b):
         m.setup_caches(1, 8)
     ids = torch.tensor([[1, 2, 3]])
@@ -253,11 +253,11 @@ def test_gptq_beats_rtn_at_the_same_group_size(smollm2_gguf):
     from brisklm.gptq import calibration_ids, gptq_quantize_state_dict
     ckpt = load(smollm2_gguf, dtype=torch.bfloat16)
     ids = torch.tensor(ckpt.tokenizer.encode(default_text())[:1024])
-    dense = build_model(ckpt.args, ckpt.state_dict)
+    dense = build_model(ckpt.args, ckpt.state_dict, FORMATS)
     gargs, gstate = gptq_quantize_state_dict(ckpt.args, ckpt.state_dict, calibration_ids(ckpt.tokenizer), 128)
     rargs, rstate = quantize_state_dict(ckpt.args, ckpt.state_dict, "int4", 128)
-    g_ppl, _, g_kl = perplexity_and_kl(build_model(gargs, gstate), dense, ids, window=256)
-    r_ppl, _, r_kl = perplexity_and_kl(build_model(rargs, rstate), dense, ids, window=256)
+    g_ppl, _, g_kl = perplexity_and_kl(build_model(gargs, gstate, FORMATS), dense, ids, window=256)
+    r_ppl, _, r_kl = perplexity_and_kl(build_model(rargs, rstate, FORMATS), dense, ids, window=256)
     assert g_ppl < r_ppl and g_kl < r_kl
     assert gstate.keys() == rstate.keys()  # the same int4 format, loadable alike
 
@@ -307,7 +307,7 @@ def test_gptq_at_load_goes_layer_by_layer_and_equals_gptq_of_the_whole_model(tmp
                        quiet=False)
     said = capsys.readouterr().err
     assert all(f"GPTQ: layer {i} of 3 quantized" in said for i in (1, 2, 3)), said  # (minutes on a large model)
-    reference = build_model(whole_args, whole)
+    reference = build_model(whole_args, whole, FORMATS)
     ids = torch.tensor([[5, 17, 300, 9, 2]])
     for m in (llm.model, reference.prepare("cpu")):
         m.setup_caches(1, 8)
@@ -323,7 +323,7 @@ def test_tied_q8_0_codes_count_whole_for_the_output_layer(smollm2_gguf, monkeypa
     from brisklm.fusion import fuse_for_decode
     monkeypatch.setattr(gemv, "available", lambda device: True)
     kept = load(smollm2_gguf, dtype=torch.float32, keep_gguf_blocks="all")
-    model = fuse_for_decode(build_model(kept.args, kept.state_dict))
+    model = fuse_for_decode(build_model(kept.args, kept.state_dict, FORMATS))
     q = kept.state_dict["output.weight_int8"]
     assert q is kept.state_dict["tok_embeddings.weight_int8"] and model.output.inner.weight is q
     codes = q.numel() + kept.state_dict["output.weight_scale"].numel() * 2  # fp16 scales in the module
@@ -347,7 +347,7 @@ def test_embedding_is_int8_and_reproduces_q8_0_blocks(smollm2_gguf):
     assert q.dtype == torch.int8 and scale.shape == (dense.shape[0], dense.shape[1] // 32)
     restored = dequantize(quantized_entries(state, "tok_embeddings.weight"))
     assert torch.allclose(restored, dense, rtol=1e-6, atol=1e-7)
-    model = build_model(args, state)
+    model = build_model(args, state, FORMATS)
     assert isinstance(model.tok_embeddings, Int8Embedding)
     ids = torch.tensor([[0, 5, 49151]])
     assert torch.allclose(model.tok_embeddings(ids), dense[ids], rtol=1e-6, atol=1e-7)
@@ -382,6 +382,6 @@ def test_bytes_read_per_token_count_q8_0_in_every_cpu_layout():
     for mode in ("int8", "q8_0"):
         for compiled in (False, True):
             qargs, state = quantize_state_dict(args, dense, mode, 32)
-            model = build_model(qargs, state).prepare(torch.device("cpu"), compiled=compiled)
+            model = build_model(qargs, state, FORMATS).prepare(torch.device("cpu"), compiled=compiled)
             read[mode, compiled] = weight_bytes_per_token(model)
     assert all(0.9 < read["q8_0", c] / read["int8", c] < 1.3 for c in (False, True)), read

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from brisklm.generate import Generator
 from brisklm.model import ModelArgs, build_model, random_state_dict
+from brisklm.quantize import FORMATS
 from brisklm.quantize import quantizer
 from brisklm.sampling import SamplingParams
 from brisklm.speculative import ModelDrafter, NgramDrafter
@@ -52,7 +53,7 @@ def main():
         inner = quantizer(mode, 32) if mode != "none" else None
         transform = tp.sharder(rank, world, inner) if world > 1 else inner
         state = random_state_dict(args, torch.float32, seed=0, std=0.2, transform=transform)
-        model = build_model(tp.local_args(args, world), state)
+        model = build_model(tp.local_args(args, world), state, FORMATS)
         if world > 1:
             tp.parallelize(model, dist.group.WORLD)
         ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
