@@ -703,7 +703,7 @@ def _bench_result(path: str) -> dict:
 def cmd_serve(args):
     import os
     try:
-        from .server import serve
+        from .server import model_thread, serve
     except ImportError as e:
         raise BriskError(f"brisk serve needs the server extra ({e.name} is missing): "
                          "pip install -e '.[server]'") from None
@@ -713,12 +713,13 @@ def cmd_serve(args):
         raise BriskError("--api_key is empty: give a key, or leave the flag out to serve without one")
     from .server import check_address
     check_address(args.host, args.port)  # (before the model loads)
-    llm = _load(args)
+    worker = model_thread()  # (the model's every op on one thread: the load and warm-up too)
+    llm = worker.submit(_load, args).result()
     if llm.tokenizer is None:
         raise BriskError(f"{llm.name}: no tokenizer, nothing to serve (give a checkpoint with tokenizer files)")
     name = args.model_name or repo_id(args.checkpoint_path) or os.path.basename(str(llm.name).rstrip("/")) or "model"
-    llm.warm_up(llm.require_tokenizer().encode("Hello"), quiet=False, wait=False)
-    serve(llm, args.host, args.port, name, args.api_key, args.queue)
+    worker.submit(llm.warm_up, llm.require_tokenizer().encode("Hello"), quiet=False, wait=False).result()
+    serve(llm, args.host, args.port, name, args.api_key, args.queue, worker)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert,

@@ -457,12 +457,20 @@ class Metrics:
                                     "(a check of drafts or a plain step)", registry=self.registry)
 
 
+def model_thread() -> ThreadPoolExecutor:
+    """The one thread that runs the model: give it the load and the warm-up
+    too. On CPUs each thread that has run torch ops keeps OpenMP threads of
+    its own, and a second set slows every op of the first (decoding 1.6x
+    slower on 2 cores, where the load ran on the main thread)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-engine")
+
+
 class Engine:
     """The model behind a single worker thread, and the admission queue in front of it."""
 
-    def __init__(self, llm: LLM, queue: int, metrics: Metrics):
+    def __init__(self, llm: LLM, queue: int, metrics: Metrics, worker: ThreadPoolExecutor | None = None):
         self.llm, self.limit, self.metrics = llm, queue + 1, metrics  # (the one running counts)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-engine")
+        self.worker = worker or model_thread()
         self.admitted = 0
         self.closing = threading.Event()
 
@@ -642,10 +650,12 @@ class Engine:
 
 # --- the app ---------------------------------------------------------------------
 
-def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int = 16) -> FastAPI:
+def make_app(llm: LLM, model_name: str, api_key: str | None = None, queue: int = 16,
+             worker: ThreadPoolExecutor | None = None) -> FastAPI:
+    """The app; worker: the thread that loaded llm (model_thread), else a new one."""
     metrics = Metrics()
     llm.remember_requests()  # (prompt lookup drafts from earlier requests' text too)
-    engine = Engine(llm, queue, metrics)
+    engine = Engine(llm, queue, metrics, worker)
     threading.Thread(target=engine.switch_when_idle, name="brisk-switch", daemon=True).start()
     app = FastAPI(title="brisk-lm", version="0.1.0")
     app.state.engine = engine
@@ -1201,7 +1211,8 @@ def raise_descriptor_limit() -> int:
         return 1024
 
 
-def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, queue: int):
+def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, queue: int,
+          worker: ThreadPoolExecutor | None = None):
     """Run until SIGINT or SIGTERM: then stop accepting, end the running
     generation at its next token, answer everything admitted (503 JSON, or an
     error event and [DONE] in a stream) and exit 0."""
@@ -1213,7 +1224,7 @@ def serve(llm: LLM, host: str, port: int, model_name: str, api_key: str | None, 
         signal.signal(sig, lambda *_: sys.exit(0))
     if api_key is None:
         api_key = os.environ.get("BRISK_API_KEY") or None
-    app = make_app(llm, model_name, api_key, queue)
+    app = make_app(llm, model_name, api_key, queue, worker)
     descriptors = raise_descriptor_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
                             http=guarded_h11(), timeout_keep_alive=5,

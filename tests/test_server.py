@@ -615,7 +615,8 @@ def test_echo_logprobs_score_the_prompt_once_and_max_tokens_0_scores_only(tiny_s
     llm = brisklm.load(tiny_server[0], device="cpu", dtype="float32", max_seq_length=64, quiet=True)
     starts = []
     llm.model.register_forward_pre_hook(lambda m, args: starts.append(int(args[1][0])))
-    endpoint = next(r.endpoint for r in make_app(llm, "tiny").routes if getattr(r, "path", "") == "/v1/completions")
+    app = make_app(llm, "tiny")
+    endpoint = next(r.endpoint for r in app.routes if getattr(r, "path", "") == "/v1/completions")
 
     async def never():  # (a client that stays)
         await asyncio.Event().wait()
@@ -630,6 +631,7 @@ def test_echo_logprobs_score_the_prompt_once_and_max_tokens_0_scores_only(tiny_s
     scored = complete(prompt=prompt, echo=True, logprobs=1, max_tokens=0)
     n = len(llm.tokenizer.encode(prompt))
     assert scored["text"] == prompt and scored["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"][:n]
+    app.state.engine.worker.shutdown()  # (a thread that ran the model slows the next tests' ops: server.model_thread)
 
 
 def test_tokenizer_endpoints_serve_the_models_tokenizer(tiny_server):

@@ -160,12 +160,14 @@ def test_the_compiled_step_is_switched_to_between_requests():
 
     served = LLM(tiny_model(), None, max_seq_length=64, compile=True)
     served.warm_up(prompts=[], wait=False)
-    make_app(served, "tiny")
+    app = make_app(served, "tiny")
     for _ in range(600):  # (no request: the server's own thread switches once the compile is done)
         if served.generator.steps.whole is not None:
             break
         threading.Event().wait(0.1)
     assert served.generator.steps.whole is not None and not served.generator.steps.compiling
+    app.state.engine.closing.set()
+    app.state.engine.worker.shutdown()
 
 
 def test_running_uncompiled_steps_never_imports_the_compiler():
