@@ -455,7 +455,7 @@ class MoEFeedForward(nn.Module):
         expert = ModelArgs(**{**args.to_dict(), "num_local_experts": 0,
                               "intermediate_size": args.moe_intermediate_size or args.intermediate_size})
         self.experts = nn.ModuleList(FeedForward(expert) for _ in range(args.num_local_experts))
-        self.stacked: dict[str, torch.Tensor] | None = None
+        self.stacked: dict[str, dict[str, torch.Tensor]] | None = None  # {"w13": {"weight": (E, N, K)}, ...}
 
     def route(self, x):
         """x (M, C) -> router weights (M, k) fp32 and the chosen experts (M, k)."""
@@ -496,9 +496,7 @@ class MoEFeedForward(nn.Module):
     def by_slot(self, x, weights, chosen):
         if self.stacked is None:
             self.stack()
-        expert = self.experts[0]
-        w13, w2 = ({name[len(m) + 1:]: t for name, t in self.stacked.items() if name.startswith(m + ".")}
-                   for m in ("w13", "w2"))
+        expert, w13, w2 = self.experts[0], self.stacked["w13"], self.stacked["w2"]
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for m in range(x.shape[0]):
             for j in range(self.top_k):
@@ -508,8 +506,9 @@ class MoEFeedForward(nn.Module):
         return y
 
     def stack(self):
-        """One (num_experts, ...) tensor per expert tensor name; each expert's
-        own becomes a view into it (the weights stay in memory once)."""
+        """One (num_experts, ...) tensor per expert tensor name, by matrix
+        (w13, w2) and the name within it; each expert's own becomes a view
+        into it (the weights stay in memory once)."""
         names = [n for n, _ in self.experts[0].named_parameters()] + [n for n, _ in self.experts[0].named_buffers()]
         self.stacked = {}
         for name in names:
@@ -521,7 +520,8 @@ class MoEFeedForward(nn.Module):
                     setattr(owner, attr, nn.Parameter(stacked[e], requires_grad=False))
                 else:
                     setattr(owner, attr, stacked[e])
-            self.stacked[name] = stacked
+            matrix, within = name.split(".", 1)
+            self.stacked.setdefault(matrix, {})[within] = stacked
 
     def prepare(self, device, compiled=False):
         """Lay each expert's formats out for the device, then stack them."""
@@ -782,9 +782,9 @@ def build_model(args: ModelArgs, state_dict: dict[str, torch.Tensor],
         found = format_entries(state_dict, name, formats)
         if found is None:
             missing = [n for n in expected if n not in state_dict and format_entries(state_dict, n, formats) is None]
-            stored = " (stored quantized: build_model needs the formats, quantize.FORMATS)" \
+            hint = " (stored quantized: build_model needs the formats, quantize.FORMATS)" \
                 if not formats and any(k.startswith(name + "_") for k in state_dict) else ""
-            raise ValueError(f"missing tensor {name!r} ({len(missing)} missing){stored}")
+            raise ValueError(f"missing tensor {name!r} ({len(missing)} missing){hint}")
         if not formats[found[0]].fits(found[1], shape):
             raise ValueError(f"quantized tensor {name!r} does not fit shape {shape}")
         stored[name] = found

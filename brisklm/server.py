@@ -460,8 +460,8 @@ class Metrics:
 def model_thread() -> ThreadPoolExecutor:
     """The one thread that runs the model: give it the load and the warm-up
     too. On CPUs each thread that has run torch ops keeps OpenMP threads of
-    its own, and a second set slows every op of the first (decoding 1.6x
-    slower on 2 cores, where the load ran on the main thread)."""
+    its own, and a second set slows every op of the first (RESULTS.md, the
+    server on the CPU)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="brisk-engine")
 
 
