@@ -34,29 +34,32 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtyp
     h += damp * torch.diag(h).mean() * torch.eye(k, device=h.device)
     # Upper Cholesky factor of H^-1: row i holds how column i's error spreads to the right.
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    codes = torch.zeros(n, k, device=w.device)
-    scales = torch.zeros(n, k // groupsize, device=w.device)
-    zeros = torch.zeros(n, k // groupsize, device=w.device)
+    # Worked transposed: W's column i is row i, contiguous, and each step is a few whole-row ops
+    # (the loop runs once per input column, so its Python overhead is the cost on CPUs).
+    wt = w.T.contiguous()
+    codes, scales, zeros = (torch.zeros(rows, n, device=w.device) for rows in (k, k // groupsize, k // groupsize))
     block = max(block, groupsize) // groupsize * groupsize  # blocks hold whole groups
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        wb, err = w[:, b0:b1].clone(), torch.zeros(n, b1 - b0, device=w.device)
-        hb = hinv[b0:b1, b0:b1]
+        wb, err = wt[b0:b1].clone(), torch.empty(b1 - b0, n, device=w.device)
+        spread = hinv[b0:b1, b0:b1].unbind(0)
         for i in range(b1 - b0):
             col = b0 + i
             if col % groupsize == 0:  # this group's grid, from its (updated) weights
-                g = wb[:, i:i + groupsize]
-                lo, hi = g.amin(1), g.amax(1)
+                g = wb[i:i + groupsize]
+                lo, hi = g.amin(0), g.amax(0)
                 scale = ((hi - lo) / 15).clamp(min=1e-8).to(scale_dtype).float()
                 zero = (lo + 8 * scale).to(scale_dtype).float()
-                scales[:, col // groupsize], zeros[:, col // groupsize] = scale, zero
-            q = torch.round((wb[:, i] - zero) / scale + 8).clamp(0, 15)
-            codes[:, col] = q
-            e = (wb[:, i] - ((q - 8) * scale + zero)) / hb[i, i]
-            wb[:, i:] -= e[:, None] * hb[i, i:][None, :]
-            err[:, i] = e
-        w[:, b1:] -= err @ hinv[b0:b1, b1:]
-    return {"int4": pack_int4(codes), "scale": scales, "zero": zeros}
+                scales[col // groupsize], zeros[col // groupsize] = scale, zero
+                offset = zero - 8 * scale  # (code q stands for q * scale + offset)
+            x = wb[i]
+            q = torch.div(x - zero, scale).add_(8).round_().clamp_(0, 15)
+            codes[col] = q
+            e = torch.addcmul(x - offset, q, scale, value=-1).div_(spread[i][i])
+            wb[i:].addr_(spread[i][i:], e, alpha=-1)
+            err[i] = e
+        wt[b1:] -= hinv[b0:b1, b1:].T @ err
+    return {"int4": pack_int4(codes.T.contiguous()), "scale": scales.T.contiguous(), "zero": zeros.T.contiguous()}
 
 
 def _layer_inputs(layer):
