@@ -259,9 +259,11 @@ def json_value(text: str):
     return text
 
 
-def task_manager(paths: list[str]):
-    """lm-eval's TaskManager whose loading (where a registered task downloads
-    its data) fails in one line."""
+def task_manager(paths: list[str], names: list[str]):
+    """lm-eval's TaskManager for these task names, whose loading (where a
+    registered task downloads its data) fails in one line. The registered
+    tasks (thousands of YAML files: seconds to index) are indexed only where
+    a name is not among paths' own tasks."""
     from lm_eval.tasks import TaskManager
 
     class Tasks(TaskManager):
@@ -276,6 +278,10 @@ def task_manager(paths: list[str]):
                 raise BriskError(f"task {names}: cannot load its data ({type(e).__name__}: {first}); a registered "
                                  f"task downloads it from the Hugging Face Hub (offline: give a task .yaml "
                                  f"over local files)") from None
+    if paths:
+        local = Tasks(include_path=paths, include_defaults=False)
+        if all(name in local.all_subtasks for name in names):  # (a local group may list registered tasks)
+            return local
     return Tasks(include_path=paths or None)
 
 
@@ -290,7 +296,7 @@ def evaluate(llm, tasks: list[str], num_fewshot: int | None = None, limit: int |
 
     import lm_eval
     names, paths = task_names_and_paths(tasks, include_path)
-    manager = task_manager(paths)
+    manager = task_manager(paths, names)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         raise BriskError(f"unknown task {unknown[0]!r} (give a registered lm-eval task, or a .yaml file)")
