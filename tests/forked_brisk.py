@@ -86,6 +86,7 @@ def become(request: dict) -> None:
     if request["terminal"]:  # (its own session, the terminal on fd 0 its controlling one: Ctrl-C reaches it)
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (as a shell's foreground job has it)
     standard_streams()
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -184,9 +185,18 @@ def popen(args, *, env=None, cwd=None, stdin=None, without_triton=False, termina
         streams = dict(stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if terminal is not None:
             streams = dict(stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True,
-                           preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                           preexec_fn=foreground)
         return subprocess.Popen([sys.executable, *(code or ["-m", "brisklm"]), *args], env=env, cwd=cwd, **streams)
     return Forked(server, list(args), env, os.path.abspath(cwd or os.getcwd()), stdin, terminal)
+
+
+def foreground():
+    """In a child about to run on a pseudo-terminal: the terminal its controlling
+    one, and SIGINT's default action, as a shell's foreground job has them (a
+    test run in the background, e.g. `pytest &` in a script, ignores SIGINT,
+    and a child would inherit that)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run(args, *, env=None, cwd=None, input=None, stdin=None, timeout=None, without_triton=False):
