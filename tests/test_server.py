@@ -178,14 +178,14 @@ def test_concurrent_clients_some_disconnecting_all_others_served(server, client,
 
     def one(i):
         if i % 2:
-            stream = client.completions.create(model=model_id, prompt=f"Story {i}:", stream=True, max_tokens=16,
+            stream = client.completions.create(model=model_id, prompt=f"Story {i}:", stream=True, max_tokens=6,
                                                temperature=0.7, seed=i)
             for n, _ in enumerate(stream):
                 if i % 4 == 1 and n == 1:
                     stream.close()  # the client goes away mid-stream
                     return "dropped"
             return "streamed"
-        out = client.chat.completions.create(model=model_id, max_tokens=16,
+        out = client.chat.completions.create(model=model_id, max_tokens=6,
                                              messages=[{"role": "user", "content": f"Count to {i}"}])
         assert out.choices[0].message.content is not None
         return "done"
