@@ -171,23 +171,26 @@ def _server(without_triton: bool) -> Server:
     return _servers[without_triton]
 
 
-def popen(args, *, env=None, cwd=None, stdin=None, without_triton=False, terminal=None):
+def popen(args, *, env=None, cwd=None, stdin=None, without_triton=False, terminal=None, output=None):
     """subprocess.Popen([sys.executable, "-m", "brisklm", *args], stdout=PIPE,
     stderr=PIPE, text=True, ...): a forked child, or a fresh process where the
     environment asks for one. terminal: the fd of a pseudo-terminal's slave end,
     which becomes the child's stdin, stdout, stderr and controlling terminal
-    (in a session of its own)."""
+    (in a session of its own). output: an fd that takes both stdout and stderr
+    (Popen's stdout=fd, stderr=STDOUT)."""
     env = dict(os.environ if env is None else env)
     server = _server(without_triton)
     if not server.takes(env):
         code = ["-c", "import sys; sys.modules['triton'] = None; import runpy; "
                       "runpy.run_module('brisklm', run_name='__main__', alter_sys=True)"] if without_triton else []
         streams = dict(stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if output is not None:
+            streams.update(stdout=output, stderr=subprocess.STDOUT)
         if terminal is not None:
             streams = dict(stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True,
                            preexec_fn=foreground)
         return subprocess.Popen([sys.executable, *(code or ["-m", "brisklm"]), *args], env=env, cwd=cwd, **streams)
-    return Forked(server, list(args), env, os.path.abspath(cwd or os.getcwd()), stdin, terminal)
+    return Forked(server, list(args), env, os.path.abspath(cwd or os.getcwd()), stdin, terminal, output)
 
 
 def foreground():
@@ -215,13 +218,10 @@ def run(args, *, env=None, cwd=None, input=None, stdin=None, timeout=None, witho
 class Forked:
     """The part of subprocess.Popen the tests use, for a child of the server."""
 
-    def __init__(self, server, args, env, cwd, stdin, terminal=None):
+    def __init__(self, server, args, env, cwd, stdin, terminal=None, output=None):
         self.args, self.returncode, self.stdin = args, None, None
         self.stdout = self.stderr = None
-        if terminal is not None:
-            fds = [terminal] * 3
-        else:
-            fds = self._pipes(stdin)
+        fds = [terminal] * 3 if terminal is not None else self._pipes(stdin, output)
         self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.conn.connect(server.path)
         request = json.dumps({"args": args, "env": env, "cwd": cwd, "terminal": terminal is not None}).encode()
@@ -233,8 +233,9 @@ class Forked:
         self.replies = b""
         self.pid = self._reply(None)["pid"]
 
-    def _pipes(self, stdin) -> list[int]:
-        """The child's ends of its stdin, stdout and stderr; ours kept as self.stdin, ... (as Popen's)."""
+    def _pipes(self, stdin, output=None) -> list[int]:
+        """The child's ends of its stdin, stdout and stderr; ours kept as self.stdin, ... (as Popen's);
+        with output, the child's stdout and stderr are that fd."""
         if stdin == subprocess.PIPE:
             child_in, ours = os.pipe()
             self.stdin = open(ours, "w")
@@ -242,6 +243,8 @@ class Forked:
             child_in = os.open(os.devnull, os.O_RDONLY)
         else:  # (inherited, as subprocess does when given none)
             child_in = os.dup(0 if stdin is None else stdin.fileno() if hasattr(stdin, "fileno") else stdin)
+        if output is not None:
+            return [child_in, os.dup(output), os.dup(output)]
         out, child_out = os.pipe()
         err, child_err = os.pipe()
         self.stdout, self.stderr = open(out, "rb"), open(err, "rb")

@@ -1,4 +1,4 @@
-"""brisk serve, started as a real subprocess on a free loopback port with the
+"""brisk serve, started as a real process on a free loopback port with the
 bundled SmolLM2 (fp32 on the CPU), driven by the official openai client and by
 raw HTTP: completions, chat, streaming, stop strings, logprobs with echo,
 usage, the OpenAI error format, the API key, the queue limit, clients that
@@ -12,12 +12,15 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
+
+import forked_brisk
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -35,11 +38,13 @@ def free_port() -> int:
 
 def start(gguf: str, *flags: str, base=("--dtype", "float32", "--quantize", "none", "--max_seq_length", "1024"),
           env=None):
+    """`brisk serve` (forked from a process that imported brisklm: tests/forked_brisk.py),
+    up once /health answers; its stdout and stderr go to proc.log (output(proc))."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "brisklm", "serve", "--checkpoint_path", gguf, "--port", str(port),
-                             *base, *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+    log = tempfile.TemporaryFile("w+", encoding="utf-8")
+    proc = forked_brisk.popen(["serve", "--checkpoint_path", gguf, "--port", str(port), *base, *flags],
+                              env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, output=log.fileno())
+    proc.log = log
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
@@ -47,15 +52,21 @@ def start(gguf: str, *flags: str, base=("--dtype", "float32", "--quantize", "non
             return proc, url
         except (urllib.error.URLError, ConnectionError, OSError):
             if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read())
+                raise RuntimeError(output(proc))
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError("the server did not start")
 
 
+def output(proc) -> str:
+    """What a server started by start() has printed so far."""
+    proc.log.seek(0)
+    return proc.log.read()
+
+
 def stop(proc):
     proc.terminate()  # SIGTERM: a graceful shutdown, exit 0
-    assert proc.wait(timeout=30) == 0, proc.stdout.read()[-2000:]
+    assert proc.wait(timeout=30) == 0, output(proc)[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -445,8 +456,8 @@ def test_sigterm_answers_everything_admitted(smollm2_gguf):
     for t in threads:
         t.result(timeout=60)
     assert proc.wait(timeout=30) == 0
-    output = proc.stdout.read()
-    assert "Traceback" not in output, output[-3000:]
+    printed = output(proc)
+    assert "Traceback" not in printed, printed[-3000:]
     for kind, answer in answers:
         if kind == "stream":
             assert answer.rstrip().endswith("data: [DONE]") and "shutting_down" in answer, answer[-300:]
