@@ -240,23 +240,25 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(kind):
     shift of 0.02 of probability between two cells of 0.05 is a noncentrality
     of 6000 x 0.016 = 96; with ~140 degrees of freedom the statistic's mean
     moves from 140 to 236 (sd 26) against a bound near 198, so such a bias
-    fails about 93% of the time. Prompt lookup
-    (one-hot proposals, accepted only where the target agrees) and a draft
-    model (q proper, the residual rule) both."""
+    fails about 93% of the time. Prompt lookup (one-hot proposals, accepted
+    only where the target agrees: the prompt holds every token once followed,
+    so every first token has a draft) and a draft model (q proper, the
+    residual rule) both, drafting at every step (adapt_drafts=False: the
+    policy would not draft for the lookup here)."""
     args = ModelArgs(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     target = tiny_model(seed=3, args=args)
     params = SamplingParams(temperature=1.0)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    prompt = [*range(12), *range(12)]
     with torch.no_grad():  # the exact joint distribution of tokens 2 and 3, given token 1
         target.setup_caches(1, 64)
-        first = logits_to_probs(target(torch.tensor([prompt]), torch.arange(8))[0, -1], params)
+        first = logits_to_probs(target(torch.tensor([prompt]), torch.arange(len(prompt)))[0, -1], params)
         joint = torch.zeros(12, 12)
         for t1 in range(12):
             for t2 in range(12):
                 ids = torch.tensor([prompt + [t1, t2]])
-                logits = target(ids, torch.arange(10))[0]
-                p2, p3 = (logits_to_probs(logits[i], params) for i in (8, 9))
+                logits = target(ids, torch.arange(len(prompt) + 2))[0]
+                p2, p3 = (logits_to_probs(logits[i], params) for i in (len(prompt), len(prompt) + 1))
                 joint[t2] += first[t1] * p2[t2] * p3
     gen = Generator(target, 64)
     if kind == "ngram":
@@ -268,10 +270,15 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(kind):
     n = 6000
     counts = torch.zeros(12, 12)
     torch.manual_seed(0)
-    for _ in range(n):
-        gen.reset()
-        _, t2, t3 = gen.tokens(prompt, 3, params, drafter=drafter, draft_tokens=2)
-        counts[t2, t3] += 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (steps this small run fastest on one thread)
+    try:
+        for _ in range(n):
+            gen.reset()
+            _, t2, t3 = gen.tokens(prompt, 3, params, drafter=drafter, draft_tokens=2, adapt_drafts=False)
+            counts[t2, t3] += 1
+    finally:
+        torch.set_num_threads(threads)
     expected = joint * n
     cells = expected >= 5
     chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
