@@ -92,33 +92,32 @@ from brisklm.checkpoints import hf
 whole = []  # the tensors read whole (the rest: each rank's share, read as such)
 read = hf._TensorFiles.get
 hf._TensorFiles.get = lambda self, name: whole.append(name) or read(self, name)
-out, folder, quantize = sys.argv[1:4]
-llm = brisklm.load(folder, device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
-ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
-llm.model.setup_caches(1, 32)
-with torch.no_grad():
-    logits = llm.model(ids, torch.arange(6), kv_len=6)[0]
-tokens = list(llm.generator.tokens([3, 14, 15, 9, 26, 5], 8, brisklm.sampling.SamplingParams()))
-world = dist.get_world_size() if dist.is_initialized() else 1
-assert llm.model.layers[0].attention.n_heads == 4 // world  # (this rank's heads only)
+out, cases = sys.argv[1], json.loads(sys.argv[2])
+results = {}
+for name, (folder, quantize) in cases.items():  # (one launch for every case: torchrun's start is the cost)
+    whole.clear()
+    llm = brisklm.load(folder, device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+    llm.model.setup_caches(1, 32)
+    with torch.no_grad():
+        logits = llm.model(ids, torch.arange(6), kv_len=6)[0]
+    tokens = list(llm.generator.tokens([3, 14, 15, 9, 26, 5], 8, brisklm.sampling.SamplingParams()))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    assert llm.model.layers[0].attention.n_heads == 4 // world  # (this rank's heads only)
+    results[name] = {"logits": logits.tolist(), "tokens": tokens, "whole": list(whole)}
 if world == 1 or dist.get_rank() == 0:
     with open(out, "w") as f:
-        json.dump({"logits": logits.tolist(), "tokens": tokens, "whole": whole}, f)
+        json.dump(results, f)
 if world > 1:  # (then an exit without the interpreter's teardown, as brisk's CLI ends: there gloo's
     dist.barrier()  # threads once aborted a rank, "terminate called without an active exception")
     os._exit(0)
 """
+SHARE_CASES = [("llama", "none"), ("mixtral", "none"), ("phi4mini", "none"), ("llama", "int8"),
+               ("llama-gguf", "none")]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case,quantize", [("llama", "none"), ("mixtral", "none"), ("phi4mini", "none"),
-                                           ("llama", "int8"), ("llama-gguf", "none")])
-def test_each_rank_reads_only_its_share_of_a_safetensors_folder(tmp_path, case, quantize):
-    """Under torchrun, loading.load reads each split tensor's share from the
-    safetensors files (safe_open's slices), not the whole tensor; the model
-    gives the single process's logits and tokens. Unquantized, every split
-    tensor is read in part; quantized to int8 as it loads, the row-split ones
-    (o_proj, down_proj) are read whole, since a row's int8 scale needs the row."""
+def hf_model(case: str):
+    """A tiny random transformers model of the case's family (-gguf: without q/k/v biases)."""
     import transformers
     base = dict(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -128,23 +127,49 @@ def test_each_rank_reads_only_its_share_of_a_safetensors_folder(tmp_path, case, 
               "mixtral": lambda: transformers.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2),
               "phi4mini": lambda: transformers.Phi3Config(**base, partial_rotary_factor=0.5, pad_token_id=0)}[case]()
     torch.manual_seed(0)
-    model = getattr(transformers, {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                                   "phi4mini": "Phi3ForCausalLM"}[case])(config)
-    if gguf:
-        import numpy as np
-        from test_gguf_loader import write_gguf
-        write_gguf(model, tmp_path / "model", np_dtype=np.float16)
-    else:
-        model.save_pretrained(tmp_path / "model")
-    (tmp_path / "child.py").write_text(LOAD_CHILD)
-    out = tmp_path / "out.json"
+    return getattr(transformers, {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                                  "phi4mini": "Phi3ForCausalLM"}[case])(config)
+
+
+@pytest.fixture(scope="module")
+def shares(tmp_path_factory):
+    """Every SHARE_CASES checkpoint, written, then loaded by both ranks of one
+    torchrun launch: the folders and what rank 0 read and computed, by case."""
+    tmp = tmp_path_factory.mktemp("shares")
+    folders = {}
+    for case, quantize in SHARE_CASES:
+        folder = tmp / case
+        if not folder.exists():
+            model = hf_model(case)
+            if case.endswith("-gguf"):
+                import numpy as np
+                from test_gguf_loader import write_gguf
+                write_gguf(model, folder, np_dtype=np.float16)
+            else:
+                model.save_pretrained(folder)
+        folders[f"{case}-{quantize}"] = [str(folder), quantize]
+    (tmp / "child.py").write_text(LOAD_CHILD)
+    out = tmp / "out.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "child.py"), str(out), str(tmp_path / "model"), quantize],
+                           str(tmp / "child.py"), str(out), json.dumps(folders)],
                           env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    split = json.loads(out.read_text())
+    return folders, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,quantize", SHARE_CASES)
+def test_each_rank_reads_only_its_share_of_a_safetensors_folder(shares, case, quantize):
+    """Under torchrun, loading.load reads each split tensor's share from the
+    safetensors files (safe_open's slices), not the whole tensor; the model
+    gives the single process's logits and tokens. Unquantized, every split
+    tensor is read in part; quantized to int8 as it loads, the row-split ones
+    (o_proj, down_proj) are read whole, since a row's int8 scale needs the row."""
+    folders, results = shares
+    folder, _ = folders[f"{case}-{quantize}"]
+    split = results[f"{case}-{quantize}"]
     import brisklm  # one process, for reference
-    llm = brisklm.load(str(tmp_path / "model"), device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
+    llm = brisklm.load(folder, device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
     llm.model.setup_caches(1, 32)
     with torch.no_grad():
         logits = llm.model(torch.tensor([[3, 14, 15, 9, 26, 5]]), torch.arange(6), kv_len=6)[0]
@@ -154,7 +179,7 @@ def test_each_rank_reads_only_its_share_of_a_safetensors_folder(tmp_path, case, 
     assert diff <= 1e-5 and split["tokens"] == alone["tokens"], diff
     parts = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", ".w1.", ".w2.", ".w3.")
     whole = {n for n in split["whole"] if any(p in n for p in parts)}
-    if gguf:  # (whose reads this test does not watch)
+    if case.endswith("-gguf"):  # (whose reads this test does not watch)
         return
     if quantize == "none" and case != "phi4mini":
         assert not whole, sorted(whole)
