@@ -47,9 +47,15 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def models(smollm2_gguf, smol_llm):
+    import functools
+    import gguf
     folder, name = os.path.split(smollm2_gguf)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                            dtype=torch.float32).eval()
+    # (transformers builds gguf's tensor-name table once a submodule, 397 times here, 5 s of its load;
+    # the table is a function of its arguments only, so it is built once)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                                dtype=torch.float32).eval()
     return ref, smol_llm
 
 
