@@ -2,8 +2,12 @@
 plain output, for every drafter and draft length; sampled output distributed
 as plain sampling's."""
 import dataclasses
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from brisklm.sampling import SamplingParams, logits_to_probs
 from brisklm.speculative import (CANDIDATES, CONTEXTS, DraftPolicy, ModelDrafter, NgramDrafter, agreement,
                                  likeliest)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
 GREEDY = SamplingParams()
@@ -230,6 +235,37 @@ def wilson_hilferty(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+CHI_ARGS = ModelArgs(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CHI_PROMPT = [*range(12), *range(12)]  # (every token once followed: every first token has a lookup draft)
+CHI_PARAMS = SamplingParams(temperature=1.0)
+
+
+def speculated_pairs(kind: str, n: int, seed: int) -> list[list[int]]:
+    """Counts (12 x 12) of the 2nd and 3rd tokens of n sampled generations of
+    CHI_PROMPT by the tiny target (seed 3), drafting at every step."""
+    target = tiny_model(seed=3, args=CHI_ARGS)
+    gen = Generator(target, 64)
+    if kind == "ngram":
+        drafter = NgramDrafter()
+    else:
+        draft = tiny_model(seed=9, args=CHI_ARGS)
+        draft.setup_caches(1, 64)
+        drafter = ModelDrafter(draft)
+    counts = torch.zeros(12, 12)
+    torch.manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (steps this small run fastest on one thread)
+    try:
+        for _ in range(n):
+            gen.reset()
+            _, t2, t3 = gen.tokens(CHI_PROMPT, 3, CHI_PARAMS, drafter=drafter, draft_tokens=2, adapt_drafts=False)
+            counts[t2, t3] += 1
+    finally:
+        torch.set_num_threads(threads)
+    return counts.tolist()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ngram", "model"])
 def test_sampled_speculative_tokens_follow_the_target_distribution(kind):
@@ -241,15 +277,22 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(kind):
     of 6000 x 0.016 = 96; with ~140 degrees of freedom the statistic's mean
     moves from 140 to 236 (sd 26) against a bound near 198, so such a bias
     fails about 93% of the time. Prompt lookup (one-hot proposals, accepted
-    only where the target agrees: the prompt holds every token once followed,
-    so every first token has a draft) and a draft model (q proper, the
-    residual rule) both, drafting at every step (adapt_drafts=False: the
-    policy would not draft for the lookup here)."""
-    args = ModelArgs(vocab_size=12, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    target = tiny_model(seed=3, args=args)
-    params = SamplingParams(temperature=1.0)
-    prompt = [*range(12), *range(12)]
+    only where the target agrees) and a draft model (q proper, the residual
+    rule) both, drafting at every step (adapt_drafts=False: the policy would
+    not draft for the lookup here). Half the draws run in a second process
+    (one core each: the steps are single-threaded)."""
+    n = 6000
+    code = (f"import json, test_speculative as t; "
+            f"print(json.dumps(t.speculated_pairs({kind!r}, {n // 2}, seed=1)))")
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+                                  "OMP_NUM_THREADS": "1"})
+    counts = torch.tensor(speculated_pairs(kind, n - n // 2, seed=0))
+    out, _ = other.communicate(timeout=600)
+    assert other.returncode == 0
+    counts += torch.tensor(json.loads(out))
+    target = tiny_model(seed=3, args=CHI_ARGS)
+    prompt, params = CHI_PROMPT, CHI_PARAMS
     with torch.no_grad():  # the exact joint distribution of tokens 2 and 3, given token 1
         target.setup_caches(1, 64)
         first = logits_to_probs(target(torch.tensor([prompt]), torch.arange(len(prompt)))[0, -1], params)
@@ -260,25 +303,6 @@ def test_sampled_speculative_tokens_follow_the_target_distribution(kind):
                 logits = target(ids, torch.arange(len(prompt) + 2))[0]
                 p2, p3 = (logits_to_probs(logits[i], params) for i in (len(prompt), len(prompt) + 1))
                 joint[t2] += first[t1] * p2[t2] * p3
-    gen = Generator(target, 64)
-    if kind == "ngram":
-        drafter = NgramDrafter()
-    else:
-        draft = tiny_model(seed=9, args=args)
-        draft.setup_caches(1, 64)
-        drafter = ModelDrafter(draft)
-    n = 6000
-    counts = torch.zeros(12, 12)
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # (steps this small run fastest on one thread)
-    try:
-        for _ in range(n):
-            gen.reset()
-            _, t2, t3 = gen.tokens(prompt, 3, params, drafter=drafter, draft_tokens=2, adapt_drafts=False)
-            counts[t2, t3] += 1
-    finally:
-        torch.set_num_threads(threads)
     expected = joint * n
     cells = expected >= 5
     chi2 = float(((counts - expected)[cells] ** 2 / expected[cells]).sum())
