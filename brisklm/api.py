@@ -19,7 +19,7 @@ from .console import log, quiet_compiler, step
 from .errors import BriskError, as_user_error
 from .generate import Generator
 from .memory import cache_length, supported_context
-from .model import Transformer, cached_prefix
+from .model import Transformer
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -271,12 +271,12 @@ class LLM:
         if start >= len(ids):
             return [], []
         inputs = ids[:-1]
-        reuse = cached_prefix(gen.cached, inputs, start - 1)  # (the logits at start - 1 must be computed)
+        reuse = gen.reuse(inputs, start - 1)  # (the logits at start - 1 must be computed)
         gen.cached = list(inputs[:reuse])
         self.switch_compiled(len(inputs))
         with torch.no_grad():
             logits = gen.logits(inputs[reuse:], reuse)[0, start - 1 - reuse:]
-        gen.cached = list(inputs)
+        gen.prefilled(inputs[reuse:], reuse)
         logp = logits.float().log_softmax(-1)
         targets = torch.tensor(ids[start:], device=logp.device)
         chosen = logp.gather(1, targets[:, None])[:, 0].tolist()

@@ -82,12 +82,28 @@ class Generator:
         self.max_seq_length = max_seq_length
         model.setup_caches(1, max_seq_length, kv_int8)
         self.cached: list[int] = []  # tokens whose keys/values are in the cache
+        self.prompt_span = (0, 0)  # the positions the last prompt forward wrote (reuse)
         self.steps = Steps(model, max_seq_length, compile, compile_prefill, compile_options)
         self.draft_costs = weakref.WeakKeyDictionary()  # drafter -> greedy -> seconds a step by drafts
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):
         self.cached = []
+
+    def reuse(self, ids: list[int], limit: int) -> int:
+        """How many leading ids to take from the cache (at most limit), then
+        prefilled from there (prefilled). A request that repeats the last
+        prompt forward's tokens whole prefills that forward again rather than
+        its last token alone: one row rounds otherwise than many, so in bf16
+        the same request twice would not answer the same."""
+        n = cached_prefix(self.cached, ids, limit)
+        start, end = self.prompt_span
+        return start if start < n == end - 1 else n
+
+    def prefilled(self, ids: list[int], start: int):
+        """Record that ids were written from position start on, by one prompt forward."""
+        self.cached = [*self.cached[:start], *ids]
+        self.prompt_span = (start, start + len(ids))
 
     def adopt_compiled(self, end: int) -> bool:
         """Switch to the step compiling on another thread if it is ready
@@ -302,7 +318,7 @@ class Generator:
         step for the end token."""
         stats = self.stats
         logits = self.constrained_steps.prefill(prompt_ids[start:], start)  # (1, V)
-        self.cached.extend(prompt_ids[start:])
+        self.prefilled(prompt_ids[start:], start)
         t_decode = None
         for i, value in enumerate(self._masked_run(logits, len(prompt_ids), max_new_tokens, settings, constraint)):
             if i == 0:
@@ -376,7 +392,7 @@ class Generator:
         self.adopt_compiled(len(prompt_ids) + max_new_tokens)
         if seed is not None:
             torch.manual_seed(seed)
-        start = cached_prefix(self.cached, prompt_ids, len(prompt_ids) - 1)  # (one token, at least, to prefill)
+        start = self.reuse(prompt_ids, len(prompt_ids) - 1)  # (one token, at least, to prefill)
         self.cached = list(prompt_ids[:start])
         stats = self.stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_tokens=start,
                                              weight_bytes=self.stats.weight_bytes)
@@ -388,7 +404,7 @@ class Generator:
             return  # its fast path)
         if constraint is not None:  # (the first token under the grammar, then speculation under it)
             logits = self.constrained_steps.prefill(prompt_ids[start:], start)
-            self.cached.extend(prompt_ids[start:])
+            self.prefilled(prompt_ids[start:], start)
             first = list(self._masked_run(logits, len(prompt_ids), 1, settings, constraint))
             if not first:
                 return
@@ -397,7 +413,7 @@ class Generator:
                                         draft_tokens, t0, adapt_drafts, constraint)
             return
         token = self.steps.prefill(prompt_ids[start:], start, settings)
-        self.cached.extend(prompt_ids[start:])
+        self.prefilled(prompt_ids[start:], start)
         if drafter is not None:
             self.steps.verify_rows = draft_tokens + 1
             yield from self._speculated(prompt_ids, int(token), max_new_tokens, params, stop, drafter,

@@ -84,6 +84,25 @@ def test_a_padded_prefill_generates_what_the_unpadded_one_does(args):
         prompt = prompt + a + [7, 2]
 
 
+def test_the_same_request_again_prefills_its_prompt_forward_again(smollm2_gguf):
+    """A request whose prompt the cache holds whole runs the last prompt
+    forward again (not its last token alone, whose one row rounds otherwise):
+    in bf16 the bundled model then answers the same question the same way
+    (before, 4 of 6 chat questions differed after 20-40 tokens, these two
+    among them); a longer prompt still reuses the whole cache."""
+    import brisklm
+    llm = brisklm.load(smollm2_gguf, device="cpu", dtype="bfloat16")
+    for question in ("Explain what a hash table is.", "How do vaccines work?"):
+        messages = [{"role": "user", "content": question}]
+        first = llm.chat(messages, max_new_tokens=60, temperature=0)
+        reused = llm.stats.reused_tokens  # (the second question: the chat template's opening, cached)
+        assert llm.chat(messages, max_new_tokens=60, temperature=0) == first
+        assert llm.stats.reused_tokens == reused  # (the same prompt forward, both times)
+    follow = llm.chat_ids(messages) + llm.tokenizer.encode(first, add_bos=False)
+    list(llm.generator.tokens(follow + [11], 2, SamplingParams()))
+    assert llm.stats.reused_tokens > len(follow) - 10
+
+
 def test_a_diverging_prompt_reuses_only_the_common_prefix():
     model = tiny_model()
     gen = Generator(model, 64)
