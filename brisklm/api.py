@@ -19,7 +19,7 @@ from .console import log, quiet_compiler, step
 from .errors import BriskError, as_user_error
 from .generate import Generator
 from .memory import cache_length, supported_context
-from .model import Transformer
+from .model import Transformer, cached_prefix
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -271,7 +271,9 @@ class LLM:
         if start >= len(ids):
             return [], []
         inputs = ids[:-1]
-        reuse = gen.reuse(inputs, start - 1)  # (the logits at start - 1 must be computed)
+        # (the logits at start - 1 must be computed; a question's choices share its context: not
+        # gen.reuse, which would run a one-token choice's whole context again)
+        reuse = cached_prefix(gen.cached, inputs, start - 1)
         gen.cached = list(inputs[:reuse])
         self.switch_compiled(len(inputs))
         with torch.no_grad():
