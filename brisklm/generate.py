@@ -88,13 +88,12 @@ class Generator:
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
     def reset(self):
-        self.cached = []
+        self.cached, self.prompt_span = [], (0, 0)
 
     def reuse(self, ids: list[int], limit: int) -> int:
-        """How many leading ids to take from the cache (at most limit), then
-        prefilled from there (prefilled). A request that repeats the last
-        prompt forward's tokens whole prefills that forward again rather than
-        its last token alone: one row rounds otherwise than many, so in bf16
+        """How many leading ids to keep from the cache (at most limit). A prompt
+        that repeats the last prompt forward whole runs that forward again, not
+        its last token alone: one row rounds otherwise than many, and in bf16
         the same request twice would not answer the same."""
         n = cached_prefix(self.cached, ids, limit)
         start, end = self.prompt_span
