@@ -93,18 +93,13 @@ whole = []  # the tensors read whole (the rest: each rank's share, read as such)
 read = hf._TensorFiles.get
 hf._TensorFiles.get = lambda self, name: whole.append(name) or read(self, name)
 out, cases = sys.argv[1], json.loads(sys.argv[2])
+sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
+from test_tp import load_and_run
 results = {}
 for name, (folder, quantize) in cases.items():  # (one launch for every case: torchrun's start is the cost)
     whole.clear()
-    llm = brisklm.load(folder, device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
-    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
-    llm.model.setup_caches(1, 32)
-    with torch.no_grad():
-        logits = llm.model(ids, torch.arange(6), kv_len=6)[0]
-    tokens = list(llm.generator.tokens([3, 14, 15, 9, 26, 5], 8, brisklm.sampling.SamplingParams()))
+    results[name] = {**load_and_run(folder, quantize), "whole": list(whole)}
     world = dist.get_world_size() if dist.is_initialized() else 1
-    assert llm.model.layers[0].attention.n_heads == 4 // world  # (this rank's heads only)
-    results[name] = {"logits": logits.tolist(), "tokens": tokens, "whole": list(whole)}
 if world == 1 or dist.get_rank() == 0:
     with open(out, "w") as f:
         json.dump(results, f)
@@ -112,6 +107,21 @@ if world > 1:  # (then an exit without the interpreter's teardown, as brisk's CL
     dist.barrier()  # threads once aborted a rank, "terminate called without an active exception")
     os._exit(0)
 """
+def load_and_run(folder: str, quantize: str) -> dict:
+    """brisklm.load's model of folder: its fp32 logits of six ids and 8 greedy
+    tokens after them (in LOAD_CHILD, each rank's; it holds 4 / world heads)."""
+    import torch.distributed as dist
+    import brisklm
+    llm = brisklm.load(folder, device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    assert llm.model.layers[0].attention.n_heads == 4 // world  # (this rank's heads only)
+    llm.model.setup_caches(1, 32)
+    with torch.no_grad():
+        logits = llm.model(torch.tensor([[3, 14, 15, 9, 26, 5]]), torch.arange(6), kv_len=6)[0]
+    return {"logits": logits.tolist(),
+            "tokens": list(llm.generator.tokens([3, 14, 15, 9, 26, 5], 8, brisklm.sampling.SamplingParams()))}
+
+
 SHARE_CASES = [("llama", "none"), ("mixtral", "none"), ("phi4mini", "none"), ("llama", "int8"),
                ("llama-gguf", "none")]
 
@@ -168,13 +178,7 @@ def test_each_rank_reads_only_its_share_of_a_safetensors_folder(shares, case, qu
     folders, results = shares
     folder, _ = folders[f"{case}-{quantize}"]
     split = results[f"{case}-{quantize}"]
-    import brisklm  # one process, for reference
-    llm = brisklm.load(folder, device="cpu", dtype=torch.float32, compile=False, quantize=quantize)
-    llm.model.setup_caches(1, 32)
-    with torch.no_grad():
-        logits = llm.model(torch.tensor([[3, 14, 15, 9, 26, 5]]), torch.arange(6), kv_len=6)[0]
-    alone = {"logits": logits.tolist(),
-             "tokens": list(llm.generator.tokens([3, 14, 15, 9, 26, 5], 8, brisklm.sampling.SamplingParams()))}
+    alone = load_and_run(folder, quantize)  # one process, for reference
     diff = max(abs(a - b) for ra, rb in zip(alone["logits"], split["logits"]) for a, b in zip(ra, rb))
     assert diff <= 1e-5 and split["tokens"] == alone["tokens"], diff
     parts = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", ".w1.", ".w2.", ".w3.")
