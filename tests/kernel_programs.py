@@ -537,6 +537,10 @@ def custom_ops_fake_implementations_and_schemas():
                                          list(gemv.int4_dp4a_config(q4["int4"], scale)))))
     q8 = quantize_int8(w, 32)  # GGUF Q8_0: a scale per 32 inputs
     cases.append((gemv._int8_group_dp4a_op, (x, q8["int8"], q8["scale"].half(), list(gemv.config("8gd", 40, 64, 32)))))
+    rows = torch.randn(3, 64).to(torch.bfloat16)  # (a verify step's few tokens: split-K partial sums)
+    cases += [(matmul._few_rows_op, (rows, q4["int4"], scale, zero)),
+              (matmul._few_rows_op, (rows, w8, None, None)),
+              (matmul._few_rows_op, (rows, q8["int8"], q8["scale"].half(), None))]
     wf8 = quantize_fp8(w)["fp8"]
     assert gemv.uses_fp8_half(x, wf8)
     for int8, tokens in ((False, 1), (True, 1), (False, 3), (True, 3)):  # (one new token, and a few)

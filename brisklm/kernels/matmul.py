@@ -193,8 +193,8 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
     weights (N, K) in x's dtype."""
     if codes.is_cuda and not interpreted() and torch.compiler.is_compiling():  # (outside a trace, the
-        return _few_rows_op(x, codes, scale, zero)  # op's call would only import the compiler)
-    return _launch(x, codes, scale, zero)
+        return _few_rows_op(x, codes, scale, zero).sum(0)  # op's call would only import the compiler)
+    return _launch(x, codes, scale, zero).sum(0)  # (the sum outside the op: a compiled step fuses it)
 
 
 def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
@@ -205,14 +205,21 @@ def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
     return ROW_SCALED if scale is None else GROUPED_INT8
 
 
-def _launch(x, codes, scale, zero):
+def _blocks_of(x, codes, scale) -> tuple[int, ...]:
+    """blocks() for these operands: (kind, group, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP)."""
     kind = kind_of(codes, scale)
+    (m, k), n = x.shape, codes.shape[0]
+    group = None if scale is None else k // scale.shape[1]
+    return kind, group, *blocks(kind, m, n, k, group)
+
+
+def _launch(x, codes, scale, zero):
+    """The split-K partial sums (SPLIT_K, M, N) in fp32."""
     m, k = x.shape
     n = codes.shape[0]
+    kind, group, block_m, block_n, block_k, split, warps, stages, swap = _blocks_of(x, codes, scale)
     if kind == INT4 and k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
-    group = None if scale is None else k // scale.shape[1]
-    block_m, block_n, block_k, split, warps, stages, swap = blocks(kind, m, n, k, group)
     out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
     k_per_split = -(-k // block_k) // split * block_k
@@ -220,12 +227,12 @@ def _launch(x, codes, scale, zero):
     _few_rows_kernel[grid](x.contiguous(), codes, absent, absent if zero is None else zero, out, m, n, k,
                            k_per_split, KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n,
                            BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(), num_warps=warps, num_stages=stages)
-    return out.sum(0)
+    return out
 
 
 if triton is not None:  # opaque to the compiler, which would otherwise widen the whole weight again
     _few_rows_op = torch.library.custom_op("brisklm::few_rows_matmul", _launch, mutates_args=(),
                                            schema="(Tensor x, Tensor codes, Tensor? scale, Tensor? zero) -> Tensor")
 
-    _few_rows_op.register_fake(lambda x, codes, scale, zero: x.new_empty(x.shape[0], codes.shape[0],
-                                                                         dtype=torch.float32))
+    _few_rows_op.register_fake(lambda x, codes, scale, zero: x.new_empty(
+        _blocks_of(x, codes, scale)[5], x.shape[0], codes.shape[0], dtype=torch.float32))
