@@ -20,6 +20,15 @@ from .model import KVCache, TransformerBlock, canonical_names, rope_tables, scal
 from .quantize import dequantize, pack_int4, quantize_embedding, quantize_int8, untied
 
 
+def upper_cholesky_of_inverse(h: torch.Tensor) -> torch.Tensor:
+    """U, upper triangular, with H^-1 = U^T U, from one Cholesky and one
+    triangular inverse: with P reversing the order, P H P = L L^T gives
+    H^-1 = (P L^-1 P)^T (P L^-1 P)."""
+    low = torch.linalg.cholesky(h.flip(0, 1))
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    return torch.linalg.solve_triangular(low, eye, upper=False).flip(0, 1)
+
+
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtype,
               damp: float = 0.01, block: int = 128):
     """GPTQ for one weight (N, K) given H (K, K) -> quantize.py's int4 parts."""
@@ -33,7 +42,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtyp
     w[:, dead] = 0
     h += damp * torch.diag(h).mean() * torch.eye(k, device=h.device)
     # Upper Cholesky factor of H^-1: row i holds how column i's error spreads to the right.
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    hinv = upper_cholesky_of_inverse(h)
     # Worked transposed: W's column i is row i, contiguous, and each step is a few whole-row ops
     # (the loop runs once per input column, so its Python overhead is the cost on CPUs).
     wt = w.T.contiguous()

@@ -264,6 +264,18 @@ def test_gptq_beats_rtn_at_the_same_group_size(smollm2_gguf):
     assert gstate.keys() == rstate.keys()  # the same int4 format, loadable alike
 
 
+def test_gptq_spreads_errors_by_the_upper_cholesky_factor_of_the_inverse_hessian():
+    from brisklm.gptq import upper_cholesky_of_inverse
+    torch.manual_seed(0)
+    x = torch.randn(300, 40, dtype=torch.float64)
+    h = x.T @ x + 0.1 * torch.eye(40, dtype=torch.float64)
+    u = upper_cholesky_of_inverse(h)
+    assert torch.equal(u, u.triu()) and (u.diagonal() > 0).all()
+    assert torch.allclose(u.T @ u, torch.linalg.inv(h), rtol=0, atol=1e-12 * torch.linalg.inv(h).abs().max())
+    # the factor GPTQ's papers write: Cholesky of the inverse, which is unique
+    assert torch.allclose(u, torch.linalg.cholesky(torch.linalg.inv(h), upper=True), rtol=1e-10, atol=1e-14)
+
+
 def test_gptq_leaves_the_callers_weights_unwritten():
     """GPTQ calibrates each block on an fp32 copy of it, made and dropped one at a
     time (never a copy of the whole model), and writes the quantized weights
