@@ -51,8 +51,9 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtyp
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
         wb, err = wt[b0:b1].clone(), torch.empty(b1 - b0, n, device=w.device)
-        spread = hinv[b0:b1, b0:b1].unbind(0)
-        for i in range(b1 - b0):
+        spread = hinv[b0:b1, b0:b1]
+        inverse_diagonal = (1 / spread.diagonal()).tolist()
+        for i, row in enumerate(spread.unbind(0)):
             col = b0 + i
             if col % groupsize == 0:  # this group's grid, from its (updated) weights
                 g = wb[i:i + groupsize]
@@ -61,12 +62,11 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, scale_dtyp
                 zero = (lo + 8 * scale).to(scale_dtype).float()
                 scales[col // groupsize], zeros[col // groupsize] = scale, zero
                 offset = zero - 8 * scale  # (code q stands for q * scale + offset)
-            x = wb[i]
-            q = torch.div(x - zero, scale).add_(8).round_().clamp_(0, 15)
-            codes[col] = q
-            e = torch.addcmul(x - offset, q, scale, value=-1).div_(spread[i][i])
-            wb[i:].addr_(spread[i][i:], e, alpha=-1)
-            err[i] = e
+            # (written in place, into codes and err: the loop's cost is its number of torch calls)
+            shifted = wb[i] - offset
+            q = torch.div(shifted, scale, out=codes[col]).round_().clamp_(0, 15)
+            e = torch.addcmul(shifted, q, scale, value=-1, out=err[i]).mul_(inverse_diagonal[i])
+            wb[i:].addr_(row[i:], e, alpha=-1)
         wt[b1:] -= hinv[b0:b1, b1:].T @ err
     return {"int4": pack_int4(codes.T.contiguous()), "scale": scales.T.contiguous(), "zero": zeros.T.contiguous()}
 
