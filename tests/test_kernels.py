@@ -139,7 +139,7 @@ def test_model_decodes_the_same_through_the_attention_kernel(interpreted):
 
 @pytest.mark.slow
 def test_custom_ops_fake_implementations_and_schemas(interpreted):
-    assert interpreted == 13
+    assert interpreted == 16  # (every op, the few-rows matmul in three formats)
 
 
 def test_a_tuned_table_given_for_a_block_is_used_there_and_restored_after():
