@@ -205,22 +205,22 @@ def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
     return ROW_SCALED if scale is None else GROUPED_INT8
 
 
-def _blocks_of(x, codes, scale) -> tuple[int, ...]:
-    """blocks() for these operands: (kind, group, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP)."""
+def _launch_shape(x, codes, scale):
+    """(kind, group, the empty fp32 partial sums (SPLIT_K, M, N), blocks()) of these operands."""
     kind = kind_of(codes, scale)
     (m, k), n = x.shape, codes.shape[0]
     group = None if scale is None else k // scale.shape[1]
-    return kind, group, *blocks(kind, m, n, k, group)
+    chosen = blocks(kind, m, n, k, group)
+    return kind, group, x.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
 
 
 def _launch(x, codes, scale, zero):
     """The split-K partial sums (SPLIT_K, M, N) in fp32."""
     m, k = x.shape
     n = codes.shape[0]
-    kind, group, block_m, block_n, block_k, split, warps, stages, swap = _blocks_of(x, codes, scale)
+    kind, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _launch_shape(x, codes, scale)
     if kind == INT4 and k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
-    out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
     k_per_split = -(-k // block_k) // split * block_k
     absent = codes if scale is None else scale  # (pointers the kernel's format does not read)
@@ -234,5 +234,4 @@ if triton is not None:  # opaque to the compiler, which would otherwise widen th
     _few_rows_op = torch.library.custom_op("brisklm::few_rows_matmul", _launch, mutates_args=(),
                                            schema="(Tensor x, Tensor codes, Tensor? scale, Tensor? zero) -> Tensor")
 
-    _few_rows_op.register_fake(lambda x, codes, scale, zero: x.new_empty(
-        _blocks_of(x, codes, scale)[5], x.shape[0], codes.shape[0], dtype=torch.float32))
+    _few_rows_op.register_fake(lambda x, codes, scale, zero: _launch_shape(x, codes, scale)[2])
