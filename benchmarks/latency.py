@@ -6,6 +6,10 @@ against its steady time, with the compiles and graph captures it caused.
 
     PYTHONPATH=. python3 benchmarks/latency.py --preset smollm2-135m [--dtype float32] [--quantize int4] [--json out.json]
     PYTHONPATH=. python3 benchmarks/latency.py --gguf SmolLM2.gguf [--speculate ngram]
+    PYTHONPATH=. python3 benchmarks/latency.py --gguf SmolLM2.gguf --device cpu --max_prompt 1000
+
+On a CPU the start is brisk chat's and brisk serve's (compiled, warmed up
+without waiting): requests run eager while the block compiles beside them.
 
 With a tokenizer (--gguf), requests with a stop string and with a JSON
 schema follow; with --speculate, every request speculates.
@@ -69,6 +73,8 @@ def main():
     p.add_argument("--speculate", help="every request speculates: ngram (prompt lookup) or self")
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true", help="print where the start's time goes (cProfile)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--max_prompt", type=int, help="leave out the requests of longer prompts (a CPU's eager prefill)")
     p.add_argument("--switch_interval", type=float, help="sys.setswitchinterval (s) for the whole run")
     opts = p.parse_args()
     if opts.switch_interval:
@@ -86,8 +92,14 @@ def main():
     import brisklm
     from brisklm.bench import _prompt, read_ceiling_gb_s
     from brisklm.model import kv_bytes_per_position
-    llm = brisklm.load(opts.gguf, preset=opts.preset, device="cuda", dtype=opts.dtype, quantize=opts.quantize,
-                       groupsize=opts.groupsize, speculate=opts.speculate, quiet=False)
+    device = torch.device(opts.device)
+    cpu = device.type == "cpu"
+    llm = brisklm.load(opts.gguf, preset=opts.preset, device=opts.device, dtype=opts.dtype, quantize=opts.quantize,
+                       groupsize=opts.groupsize, speculate=opts.speculate, quiet=False, compile=True,
+                       warm_up=not cpu)
+    if cpu:  # (as brisk chat and serve start: the compile beside the requests)
+        llm.warm_up(quiet=False, wait=False)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     start_s = time.perf_counter() - t0
     if opts.profile:
         profile.disable()
@@ -103,7 +115,7 @@ def main():
         stop_ids, stop = sampling.pop("stop_ids", ()), sampling.pop("stop", None)
         ids = _prompt(n, vocab, seed=n)
         gen.reset()
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         if stop is not None:
             pieces = llm.stream_ids_as_text(ids, opts.new_tokens, stop, **sampling)
@@ -111,7 +123,7 @@ def main():
             pieces = llm.stream_ids(ids, opts.new_tokens, stop_ids=stop_ids, **sampling)
         for _ in pieces:
             pass
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t
 
     first_token = run(5, {})
@@ -137,7 +149,7 @@ def main():
           f"the switching request {switch * 1e3 if switch else float('nan'):.1f} ms; compiled: {switched}", flush=True)
     rows = []
     for name, n, sampling in REQUESTS + (WITH_TOKENIZER if llm.tokenizer is not None else []):
-        if n + opts.new_tokens > gen.max_seq_length:
+        if n + opts.new_tokens > gen.max_seq_length or (opts.max_prompt and n > opts.max_prompt):
             continue
         compiles, graphs = counters["stats"]["unique_graphs"], captured()
         first = run(n, sampling)
@@ -151,11 +163,12 @@ def main():
 
     rates = [decode_rate() for _ in range(4)]
     rate = statistics.median(rates[1:])
-    ceiling = read_ceiling_gb_s(torch.device("cuda"))
+    ceiling = read_ceiling_gb_s(device)
     bytes_per_token = llm.stats.weight_bytes + kv_bytes_per_position(llm.model.args, llm.model.dtype) * 105
     result = {"model": opts.gguf or opts.preset, "dtype": str(llm.model.dtype), "quantize": opts.quantize,
               "speculate": opts.speculate,
-              "torch": torch.__version__, "device": torch.cuda.get_device_name(), "cache": gen.max_seq_length,
+              "torch": torch.__version__, "cache": gen.max_seq_length,
+              "device": f"cpu, {torch.get_num_threads()} threads" if cpu else torch.cuda.get_device_name(),
               "start_s": start_s, "first_token_s": first_token_s, "first_request_ms": first_token * 1e3,
               "decode_while_compiling": while_compiling, "compiled_s": compiled_s, "compile_thread_s": steps.compile_s,
               "switching_request_ms": switch and switch * 1e3, "compiled": switched,

@@ -60,8 +60,9 @@ def compiling():
 def what_compiles(steps, wait: bool) -> tuple[str, str]:
     """What LLM.warm_up says it does first, and what compiles on another thread meanwhile."""
     cpu = steps.device.type == "cpu"
-    what = "one layer's step" if steps.to_compile == "block" else "the decode step"
-    takes = ("~10-30 s" if steps.to_compile == "block" else "about 1.5 minutes on 2 CPU cores" if cpu
+    block = steps.compile_kind(wait) == "block"
+    what = "one layer's step" if block else "the decode step"
+    takes = ("~10-30 s" if block else "about 1.5 minutes on 2 CPU cores" if cpu
              else "minutes") + " the first time, then seconds from the compiler's cache"
     if steps.compiled and wait:
         return f"Compiling {what} ({takes})" + ("" if cpu else "; then capturing CUDA graphs"), ""

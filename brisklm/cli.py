@@ -25,7 +25,7 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16)")
     p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the decode step (the default on CUDA, not on CPUs; "
+                   help="torch.compile the decode step (the default on CUDA, and on CPUs for chat and serve; "
                    "brisk generate: where it decodes 1024 tokens or more)")
     p.add_argument("--no_compile", dest="compile", action="store_false",
                    help="run the steps uncompiled (on CUDA the decode step is still replayed from a CUDA graph)")
@@ -426,10 +426,21 @@ def cmd_generate(args):
         f"Peak memory {_peak_memory_gb(device):.2f} GB", quiet)
 
 
+def _compiled_beside_requests(args):
+    """chat and serve compile by default on CPUs too: a long-lived process gains
+    from the block that compiles in seconds on another thread while requests
+    run uncompiled (Steps.compile_later). Not under torchrun, whose ranks wait
+    for their compile together."""
+    import torch.distributed as dist
+    if args.compile is None and not dist.is_initialized():
+        args.compile = True
+
+
 def cmd_chat(args):
     from .checkpoints.hub import cache_dir
     from .repl import chat
     _check_sampling(args)
+    _compiled_beside_requests(args)
     llm = _load(args)
     llm.remember_requests()  # (prompt lookup drafts from the earlier turns' text too, after a /reset as well)
     llm.require_tokenizer()  # no tokenizer (a preset): say so now, not after the first message
@@ -713,6 +724,7 @@ def cmd_serve(args):
         raise BriskError("--api_key is empty: give a key, or leave the flag out to serve without one")
     from .server import check_address
     check_address(args.host, args.port)  # (before the model loads)
+    _compiled_beside_requests(args)
     worker = model_thread()  # (the model's every op on one thread: the load and warm-up too)
     llm = worker.submit(_load, args).result()
     if llm.tokenizer is None:

@@ -10,8 +10,11 @@ runs in one of these ways:
   every TransformerBlock runs one torch.compile'd forward, which the layers
   share (their weights are its inputs), inside the CUDA graph of the whole
   step, so a cold compile costs one layer's, not every layer's;
-- compiled whole (CPUs, or CUDA without the fused attention kernel): the
-  decode step as one compiled function.
+- block-compiled from Python (CPUs, when the compile runs beside requests):
+  the same compiled block, each step launched eagerly around it, attention
+  reading the cache through whole-cache block masks (seconds to compile);
+- compiled whole (CPUs when the caller waits for it, or CUDA without the
+  fused attention kernel): the decode step as one compiled function.
 
 Nothing a request varies compiles or captures anything once `warm_up` has
 run: the sampling settings are a tensor (SamplingParams.on), and a prompt
@@ -105,13 +108,13 @@ def forward(model: Transformer, idx, input_pos, kv_len=None, last=None, depth=No
     return model(idx, input_pos, last=last, kv_len=kv_len, depth=depth, block=block)
 
 
-def rows_logits(model: Transformer, idx, input_pos, depth=None):
+def rows_logits(model: Transformer, idx, input_pos, depth=None, block=None):
     """Logits (1, T, V) of the tokens idx (1, T) at the consecutive positions
     input_pos (T,), attention reading only the cache blocks they can see
     (rows_block_mask): the verify and draft steps where decoding is compiled
     whole (T = drafts + 1, padded to one shape)."""
     masks = {w: rows_block_mask(model.max_seq_length, input_pos, w) for w in model.windows}
-    return model(idx, input_pos, block_mask=masks, depth=depth)
+    return model(idx, input_pos, block_mask=masks, depth=depth, block=block)
 
 
 def replayed(step):
@@ -177,6 +180,27 @@ def capture(step, args, kwargs, pool: list):
 # step that would be captured meanwhile runs uncaptured instead.
 CAPTURING = threading.Lock()
 
+COMPILE_THREAD = "brisklm-compile"
+
+
+def random_state_left_alone():
+    """Make torch's setters of the global random state no-ops on the compile
+    thread. The compiler saves that state before each graph it compiles and
+    sets it back after; beside a request, that rewinds the draws the request
+    made meanwhile (a seeded request's tokens changed). Idempotent."""
+    import torch.cuda
+    for module in (torch.random, torch.cuda):
+        setter = module.set_rng_state
+        if getattr(setter, "left_alone", False):
+            continue
+
+        def set_rng_state(*args, setter=setter, **kwargs):
+            if threading.current_thread().name != COMPILE_THREAD:
+                setter(*args, **kwargs)
+
+        set_rng_state.left_alone = True
+        module.set_rng_state = set_rng_state
+
 
 # Prompt lengths a graphed prefill pads to (longer prompts run in chunks of the last).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
@@ -225,9 +249,9 @@ class Steps:
         self.compiled = compile
         self.warm = False  # whether warm_up has run
         self.pending = []  # prefill shapes warm_up left to warm_pending
-        self.whole = self.rows = self.block_mask = None  # (compiled whole: once adopted)
+        self.whole = self.rows = self.block_mask = None  # (the masked steps: once adopted)
         # what compile_later compiles and adopt puts to use: one block (CUDA graphs of ours) or the whole step
-        self.to_compile = None if not compile else "block" if self.graphed else "whole"
+        self.to_compile = self.compile_kind(wait=True)
         self.compiled_block = self.compiled_whole = None  # (compiled_functions: made where they compile)
         self.compile_options = compile_options or {}
         self.variants, self.shapes = None, {}  # what warm_up ran (settings), and warm_speculative (model, tokens, depth)
@@ -235,8 +259,8 @@ class Steps:
         self.compile_s, self.compile_error = None, None
         self.reserved = 0  # the cache's last positions compile_later and adopt write
         # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
-        model.prepare(device, compiled=compile)
-        if self.to_compile == "whole" and not self.kernel_tokens:
+        model.prepare(device, compiled=self.to_compile == "whole")
+        if compile and not self.kernel_tokens:
             self.block_mask = {w: causal_block_mask(max_seq_length, device, w) for w in model.windows}
         self._decode = decode_one_token
         self.graphed_rows = None
@@ -249,6 +273,14 @@ class Steps:
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
         self.graphed_prefill = self.graphed_forward if not compile_prefill else None
         self.sampler = replayed(sample) if graphs else sample
+
+    def compile_kind(self, wait: bool) -> str | None:
+        """What compiles: one block inside our CUDA graphs, or on CPUs beside
+        requests (seconds); else the whole step (on CPUs it decodes faster
+        than the block, after minutes of compiling)."""
+        if not self.compiled:
+            return None
+        return "block" if self.graphed or not (wait or self.device.type == "cuda") else "whole"
 
     def compiled_functions(self):
         """The compiled block, or the compiled whole step and its rows_logits,
@@ -266,6 +298,14 @@ class Steps:
             else:  # (static shapes: a model of other shapes compiles a graph of its own)
                 self.compiled_whole = compiled(decode_one_token), compiled(rows_logits)
         return self.compiled_block or self.compiled_whole
+
+    def masked_steps(self, compiled):
+        """The decode and rows steps that read the cache through block masks:
+        compiled whole, or each layer run by the compiled block (CPUs)."""
+        if self.to_compile == "whole":
+            return compiled
+        return (functools.partial(decode_one_token, block=compiled),
+                functools.partial(rows_logits, block=compiled))
 
     def _use_block(self, block):
         """The graphed decode and verify steps, each layer run by `block` (None: the layer itself)."""
@@ -442,11 +482,15 @@ class Steps:
         quieting of the compiler). False if there is nothing to compile."""
         if self.to_compile is None or self.compiling or self.adopted:
             return False
+        kind = self.compile_kind(wait)
+        if kind != self.to_compile:  # (CPUs: the block, and the steps around it, read the uncompiled layouts)
+            self.model.prepare(self.device, compiled=False)
+        self.to_compile = kind
         shapes = list({(id(self.model), 1, None): (self.model, 1, None), **self.shapes}.values())
         self.reserved = max(n for _, n, _ in shapes)
         # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
         # interpreter finalizes aborts the process)
-        self.compiler = threading.Thread(target=self._compile, args=(shapes, inside), name="brisklm-compile")
+        self.compiler = threading.Thread(target=self._compile, args=(shapes, inside), name=COMPILE_THREAD)
         if wait or (self.to_compile == "whole" and self.device.type == "cuda"):
             self.compiler.run()
             if self.compile_error is not None:
@@ -454,6 +498,7 @@ class Steps:
                 raise self.compile_error
             self.adopt(self.max_seq_length)
         else:
+            random_state_left_alone()
             self.compiler.start()
         return True
 
@@ -468,13 +513,16 @@ class Steps:
                     torch.cuda.set_device(self.device)  # (a thread's own setting)
                 compiled = self.compiled_functions()
                 ids = lambda n: torch.zeros(1, n, dtype=torch.long, device=self.device)  # noqa: E731
-                if self.to_compile == "block":
+                if self.graphed:
                     runs = [functools.partial(forward, m, ids(n), tail(m, n), depth=depth, block=compiled)
                             for m, n, depth in shapes]
                 else:
-                    whole, rows = compiled
+                    whole, rows = self.masked_steps(compiled)
+                    # (the block's sampling runs eager, so greedy alone: a sampled run beside requests would
+                    # draw from the random numbers a request's seed set)
+                    variants = self.variants or [None] if self.to_compile == "whole" else [None]
                     runs = [functools.partial(whole, self.model, ids(1)[0], tail(self.model, 1), settings,
-                                              block_mask=self.block_mask) for settings in self.variants or [None]]
+                                              block_mask=self.block_mask) for settings in variants]
                     runs += [functools.partial(rows, m, ids(n), tail(m, n), depth=depth) for m, n, depth in shapes]
                 for run in runs:
                     run()
@@ -517,8 +565,8 @@ class Steps:
     def _switch(self, recapture: bool):
         """Run the compiled functions from now on; with `recapture`, warm them up
         as warm_up did the uncompiled ones (the graphs they ran, captured again)."""
-        if self.to_compile == "whole":
-            self.whole, self.rows = self.compiled_functions()
+        if not self.graphed:
+            self.whole, self.rows = self.masked_steps(self.compiled_functions())
             self._decode = self.whole
             if recapture and self.device.type == "cuda":  # (its CUDA graph trees record now)
                 self._warm_decode()

@@ -560,6 +560,7 @@ def test_warm_up_compiles_the_speculative_steps_before_generation():
     llm = LLM(tiny_model(), None, max_seq_length=128, compile=True, speculate="self", draft_tokens=3, draft_layers=1)
     llm.warm_up(PROMPTS[0])
     llm.wait_compiled()  # (compiled on another thread meanwhile)
+    assert llm.generator.steps.to_compile == "whole"  # (waited for, on a CPU: the faster step)
     compiled = counters["stats"]["unique_graphs"]
     plain = list(Generator(tiny_model(), 128).tokens(PROMPTS[0], 30, GREEDY))
     assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain
@@ -580,6 +581,7 @@ def test_speculation_while_the_step_compiles_on_another_thread_and_after_the_swi
     assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain  # (compiling, or switched: the same)
     llm.wait_compiled()
     assert llm.generator.steps.rows is not None and not llm.generator.steps.compiling
+    assert llm.generator.steps.to_compile == "block"  # (each layer from the compiled block)
     compiled = counters["stats"]["unique_graphs"]
     assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain
     assert counters["stats"]["unique_graphs"] == compiled

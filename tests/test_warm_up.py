@@ -114,18 +114,27 @@ def test_requests_run_uncompiled_while_the_step_compiles_on_another_thread(capsy
     requests meanwhile run the eager step and give its tokens; a request that
     could reach the cache's last positions (where the compile runs its step)
     waits for it; that one switches, says so on one line, gives the same
-    greedy tokens, and no sampling setting or prompt length compiles again."""
+    greedy tokens, and no sampling setting or prompt length compiles again.
+    The compile draws no random numbers (a seeded request's, beside it)."""
     from torch._dynamo.utils import counters
 
     from brisklm.api import LLM
     llm = LLM(tiny_model(), None, max_seq_length=64, compile=True)
-    steps, held = llm.generator.steps, threading.Event()
+    steps, held, drawn = llm.generator.steps, threading.Event(), []
     compile_steps = steps._compile
-    steps._compile = lambda *given: (held.wait(), compile_steps(*given))  # (the requests below surely run uncompiled)
+
+    def compile_held(*given):  # (the requests below surely run uncompiled)
+        held.wait()
+        drawn.append(torch.get_rng_state())
+        compile_steps(*given)
+        drawn.append(torch.get_rng_state())
+
+    steps._compile = compile_held
     want = list(Generator(tiny_model(), 64).tokens([1, 2, 3], 8, GREEDY))
     try:
         llm.warm_up(quiet=False, wait=False)
         assert steps.compiling and "compiles on another thread meanwhile" in capsys.readouterr().err
+        assert steps.to_compile == "block"  # (on CPUs beside requests: one block, seconds)
         before = counters["stats"]["unique_graphs"]
         assert list(llm.stream_ids([1, 2, 3], 8, stop_ids=())) == want
         assert len(list(llm.stream_ids([5] * 20, 8, stop_ids=(), temperature=0.8, top_p=0.9, seed=1))) == 8
@@ -134,12 +143,35 @@ def test_requests_run_uncompiled_while_the_step_compiles_on_another_thread(capsy
         held.set()
     longest = list(llm.stream_ids([1, 2, 3], 61, stop_ids=()))  # (reaches position 63: waits, then switches)
     assert steps.whole is not None and not steps.compiling and longest[:8] == want
+    assert torch.equal(*drawn)  # (a request's seed sets these random numbers: the compile draws none of them)
     assert "[the compiled step is ready" in capsys.readouterr().err
     traced = counters["stats"]["unique_graphs"]
     for sampling in (dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.8, min_p=0.05)):
         assert len(list(llm.stream_ids(list(range(1, 30)), 6, stop_ids=(), seed=5, **sampling))) == 6
     assert list(llm.stream_ids([1, 2, 3], 8, stop_ids=())) == want
     assert counters["stats"]["unique_graphs"] == traced
+
+
+def test_the_compile_thread_cannot_rewind_a_requests_random_numbers():
+    """The compiler sets the global random state back after each graph it
+    compiles; on the compile thread that must be a no-op, else a seeded
+    request beside it draws some of its numbers again."""
+    from brisklm.steps import COMPILE_THREAD, random_state_left_alone
+    random_state_left_alone()
+    random_state_left_alone()  # (idempotent: one wrapper)
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
+    saved = torch.random.get_rng_state()
+    first = torch.rand(2)
+    for name, rewinds in ((COMPILE_THREAD, False), ("another", True)):
+        thread = threading.Thread(target=torch.random.set_rng_state, args=(saved,), name=name)
+        thread.start()
+        thread.join()
+        if rewinds:
+            assert torch.equal(torch.rand(2), want[:2])
+        else:
+            assert torch.equal(torch.cat([first, torch.rand(2)]), want)
 
 
 @pytest.mark.compile
