@@ -30,7 +30,8 @@ class Terminal:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         env = {**os.environ, "TERM": "xterm", "BRISKLM_CACHE": str(cache)}
         # (its controlling terminal: Ctrl-C on it sends SIGINT, as in a shell)
-        self.proc = forked_brisk.popen(["chat", *flags], env=env, terminal=slave)
+        # (uncompiled: the terminal's handling is tested here, the compile beside it in test_cli and test_first_run)
+        self.proc = forked_brisk.popen(["chat", *flags, "--no_compile"], env=env, terminal=slave)
         os.close(slave)
         self.master, self.raw, self.seen = master, bytearray(), 0
         threading.Thread(target=self._gather, daemon=True).start()

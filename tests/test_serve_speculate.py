@@ -19,9 +19,9 @@ LIST = ("Copy this list exactly, one item a line: apple, banana, cherry, date, e
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    # (uncompiled: whether drafting pays is the draft policy's measure of the steps, and these
-    # tests count drafts; the compiled CPU step, switched to mid-module, changes that measure)
-    proc, url = start(smollm2_gguf, "--speculate", "ngram", "--model_name", "m", "--no_compile")
+    # (uncompiled, start's default: whether drafting pays is the draft policy's measure of the steps,
+    # and these tests count drafts; the compiled CPU step, switched to mid-module, changes that measure)
+    proc, url = start(smollm2_gguf, "--speculate", "ngram", "--model_name", "m")
     yield url
     stop(proc)
 

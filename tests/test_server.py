@@ -37,9 +37,11 @@ def free_port() -> int:
 
 
 def start(gguf: str, *flags: str, base=("--dtype", "float32", "--quantize", "none", "--max_seq_length", "1024"),
-          env=None):
+          env=None, compiled=False):
     """`brisk serve` (forked from a process that imported brisklm: tests/forked_brisk.py),
-    up once /health answers; its stdout and stderr go to proc.log (output(proc))."""
+    up once /health answers; its stdout and stderr go to proc.log (output(proc)).
+    Uncompiled unless `compiled` (the default's compile beside requests: the module's main server)."""
+    flags = flags if compiled else (*flags, "--no_compile")
     port = free_port()
     log = tempfile.TemporaryFile("w+", encoding="utf-8")
     proc = forked_brisk.popen(["serve", "--checkpoint_path", gguf, "--port", str(port), *base, *flags],
@@ -71,7 +73,7 @@ def stop(proc):
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    proc, url = start(smollm2_gguf, "--api_key", KEY)
+    proc, url = start(smollm2_gguf, "--api_key", KEY, compiled=True)  # (as a user starts it)
     yield url
     stop(proc)
 
