@@ -4,6 +4,9 @@ between turns (warm_pending) leaves a conversation's cache as it was.
 CUDA graphs need a GPU; here the graphed prefill is the plain forward that
 records the shape each call would replay (the key `steps.replayed` keys its
 graphs by), so the shapes and the cache writes are the real ones."""
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -172,6 +175,26 @@ def test_the_compile_thread_cannot_rewind_a_requests_random_numbers():
             assert torch.equal(torch.rand(2), want[:2])
         else:
             assert torch.equal(torch.cat([first, torch.rand(2)]), want)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own niceness is Linux's")
+def test_the_compile_thread_yields_the_cores_to_requests():
+    """The compile thread (and the C++ compiler it starts) runs at a lower
+    priority; the requests' thread keeps its own."""
+    from brisklm.steps import COMPILE_NICENESS, yield_the_cores
+    seen = {}
+
+    def compile_thread():
+        yield_the_cores()
+        seen["niceness"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen["child"] = int(subprocess.run(["nice"], capture_output=True, text=True).stdout)
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    thread = threading.Thread(target=compile_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"niceness": max(COMPILE_NICENESS, mine), "child": max(COMPILE_NICENESS, mine)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 @pytest.mark.compile
