@@ -392,6 +392,8 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif isinstance(mask, BlockMask):  # (CPU inductor's flex template wants q computed, not a view)
+            q = q * 1.0
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):  # compiled decode: skips the cache blocks not yet filled
             k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)

@@ -210,6 +210,25 @@ def test_compiled_step_gives_the_eager_tokens_in_every_weight_format(tmp_path, c
         assert runs[0] == runs[1], mode
 
 
+@pytest.mark.slow
+@pytest.mark.compile
+def test_a_layer_without_rope_compiles_on_a_cpu_whole_and_as_a_block(tmp_path):
+    """SmolLM3's layer without RoPE passes flex attention a query that is only
+    a view (inductor's CPU template failed on it): the whole step (--compile)
+    and the block compiled beside requests (brisk chat, serve) give eager's tokens."""
+    from brisklm.api import LLM
+    make_folder(tmp_path, "smollm3-a-layer-without-rope")
+    ckpt = load(str(tmp_path), dtype=torch.float32)
+    prompt = [5, 7, 11, 13, 5, 7]
+    want = list(LLM(build_model(ckpt.args, ckpt.state_dict, FORMATS), None, max_seq_length=64).stream_ids(prompt, 16, stop_ids=()))
+    for wait in (True, False):
+        llm = LLM(build_model(ckpt.args, ckpt.state_dict, FORMATS), None, max_seq_length=64, compile=True)
+        llm.warm_up(wait=wait)
+        llm.wait_compiled()
+        assert llm.generator.steps.to_compile == ("whole" if wait else "block")
+        assert list(llm.stream_ids(prompt, 16, stop_ids=())) == want
+
+
 def test_longrope_takes_its_long_factors_when_the_cache_outgrows_the_original_context(tmp_path):
     """With a KV cache past original_max_position_embeddings (64 here) every
     position takes the long factors, as transformers does for a sequence past
