@@ -285,6 +285,17 @@ class Generator:
         torch.distributed.all_reduce(t, torch.distributed.ReduceOp.MAX, group=group)
         return t.item()
 
+    def _agreed_seed(self, seed: int | None) -> int | None:
+        """The seed of a request on every tensor-parallel rank: where none is
+        given, the first rank's draw, shared (each rank's own random numbers
+        would sample different tokens, and the ranks' steps would part)."""
+        group = self.model.tensor_parallel
+        if seed is not None or group is None:
+            return seed
+        t = torch.randint(2**62, (1,), device=self.device)
+        torch.distributed.broadcast(t, src=torch.distributed.get_global_rank(group, 0), group=group)
+        return t.item()
+
     def _run(self, token: torch.Tensor, pos: int, steps: int, settings) -> Iterator[int]:
         """Yield token (1,) (on the device, at position pos) and the `steps`
         tokens decoded after it, as host ints. Each step is queued before the
@@ -389,6 +400,7 @@ class Generator:
         those its grammar allows (_constrained; speculated: _verify)."""
         self.check(prompt_ids, max_new_tokens)
         self.adopt_compiled(len(prompt_ids) + max_new_tokens)
+        seed = self._agreed_seed(seed)
         if seed is not None:
             torch.manual_seed(seed)
         start = self.reuse(prompt_ids, len(prompt_ids) - 1)  # (one token, at least, to prefill)

@@ -11,7 +11,7 @@ communication the split needs: the outputs of the row-parallel matrices
 through functional collectives, which torch.compile captures in the step's
 graph. Embedding, norms, routers and the output layer are replicated, so
 every rank computes the same logits and samples the same token (the same
-seed on every rank).
+seed on every rank: the request's, or the first rank's draw).
 
 The split, for rank r of N:
 - column-parallel (rows of W: outputs): wqkv (its q, k and v blocks each),

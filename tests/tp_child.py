@@ -68,6 +68,11 @@ def main():
             for drafter in (NgramDrafter(), ModelDrafter(model, depth=1)):
                 spec = list(gen.tokens(prompt, 16, SamplingParams(), drafter=drafter, draft_tokens=3))
                 assert spec == plain, (type(drafter).__name__, spec, plain)
+        if case == "dense" and not compiled and world > 1:  # sampled with no seed: each rank's own random
+            torch.manual_seed(rank)  # numbers differ, the ranks must sample the same tokens anyway
+            sampled = [None] * world
+            dist.all_gather_object(sampled, list(gen.tokens([3, 14, 15], 12, SamplingParams(temperature=1.0))))
+            results["unseeded samples agree"] = all(s == sampled[0] for s in sampled)
         sizes = [weight_bytes(model)]
         if world > 1:
             sizes = [None] * world
