@@ -12,6 +12,8 @@ source alike.
 """
 from __future__ import annotations
 
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -285,20 +287,24 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
             return f"blk.{i}.{gguf_names[local]}"
         return gguf_names[hf_name]
 
-    kept = {}
-    if keep_blocks:
-        if keep_blocks not in ("all", "output"):
-            raise ValueError(f"keep_blocks must be False, 'all' or 'output', got {keep_blocks!r}")
-        qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
-                    if family.permuted_qk else {})
-        kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=keep_blocks)
-    state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
-                                   progress, skip=kept, transform=transform, get_share=get_share)
-    for name, parts in kept.items():
-        state.update({f"{name}_{suffix}": t for suffix, t in parts.items()})
-    if args.tie_word_embeddings and "output.weight" in kept:  # the embedding reads the same codes
-        args = replace(args, tie_word_embeddings=False)
-    return Checkpoint(args, state, load_tokenizer(meta, path), path)
+    # The vocabulary is rebuilt on another thread while the weights load: much of
+    # either lets the other run (the tokenizer's build, the copies to the device).
+    with ThreadPoolExecutor(1, thread_name_prefix="brisklm-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, meta, path)
+        kept = {}
+        if keep_blocks:
+            if keep_blocks not in ("all", "output"):
+                raise ValueError(f"keep_blocks must be False, 'all' or 'output', got {keep_blocks!r}")
+            qk_heads = ({"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}
+                        if family.permuted_qk else {})
+            kept = keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=keep_blocks)
+        state = assemble_from_hf_names(args, get, by_hf.__contains__, device, dtype, path, file_name,
+                                       progress, skip=kept, transform=transform, get_share=get_share)
+        for name, parts in kept.items():
+            state.update({f"{name}_{suffix}": t for suffix, t in parts.items()})
+        if args.tie_word_embeddings and "output.weight" in kept:  # the embedding reads the same codes
+            args = replace(args, tie_word_embeddings=False)
+    return Checkpoint(args, state, tokenizer.result(), path)
 
 
 # Q4_0 / Q4_1 blocks hold 32 weights: fp16 d, (Q4_1: fp16 m), 16 bytes of codes
@@ -307,28 +313,39 @@ def load_gguf(path: str, device, dtype, progress=None, keep_blocks=False, transf
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 
 
-def int4_from_blocks(tensor):
-    """A Q4_0/Q4_1 tensor as (codes (N, K) uint8, scale, zero (N, K/32) fp32)."""
+def raw_blocks(tensor, block_bytes: int, device) -> torch.Tensor:
+    """A block-quantized tensor's bytes as (N, blocks a row, block_bytes) uint8
+    on device: the bits are unpacked there (on a GPU, in milliseconds)."""
+    raw = np.asarray(tensor.data)
+    with warnings.catch_warnings():  # (the mapped file is read-only; nothing writes to it)
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(raw).to(device)
+    return raw.view(raw.shape[0], -1, block_bytes)
+
+
+def fp16_field(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of every block, as fp32."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def int4_from_blocks(tensor, device="cpu"):
+    """A Q4_0/Q4_1 tensor as (codes (N, K) uint8, scale, zero (N, K/32) fp32) on device."""
     kind = tensor.tensor_type.name
-    raw = np.asarray(tensor.data)
-    blocks = raw.reshape(raw.shape[0], -1, Q4_BLOCK_BYTES[kind])  # (N, K/32, bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    blocks = raw_blocks(tensor, Q4_BLOCK_BYTES[kind], device)
+    d = fp16_field(blocks, 0)
     if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero, qs = m + 8 * d, blocks[..., 4:]
+        zero, qs = fp16_field(blocks, 2) + 8 * d, blocks[..., 4:]
     else:
-        zero, qs = np.zeros_like(d), blocks[..., 2:]
-    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(raw.shape[0], -1)
-    return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
+        zero, qs = torch.zeros_like(d), blocks[..., 2:]
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(blocks.shape[0], -1)
+    return codes, d, zero
 
 
-def int8_from_blocks(tensor):
-    """A Q8_0 tensor (blocks of fp16 d and 32 int8 codes) as (codes (N, K) int8, scale (N, K/32) fp32)."""
-    raw = np.asarray(tensor.data)
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
-    return torch.from_numpy(codes), torch.from_numpy(d)
+def int8_from_blocks(tensor, device="cpu"):
+    """A Q8_0 tensor (blocks of fp16 d and 32 int8 codes) as (codes (N, K) int8, scale (N, K/32) fp32) on device."""
+    blocks = raw_blocks(tensor, 34, device)
+    codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], -1)
+    return codes, fp16_field(blocks, 0)
 
 
 def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=None) -> dict:
@@ -355,12 +372,12 @@ def keep_quantized_blocks(args, tensors, by_hf, qk_heads, device, keep_q8=None) 
             continue
         pieces = []
         for p in parts:
-            arrays = read(tensors[by_hf[p]])
+            arrays = read(tensors[by_hf[p]], device)
             heads = qk_heads.get(p.split(".")[-2])
             if heads:  # undo llama.cpp's q/k row order, as for dense weights
                 arrays = tuple(unpermute_qk(t, heads) for t in arrays)
             pieces.append(arrays)
-        joined = [rotary_rows(args, name, torch.cat(ts).to(device)) for ts in zip(*pieces)]
+        joined = [rotary_rows(args, name, torch.cat(ts)) for ts in zip(*pieces)]
         if read is int4_from_blocks:
             kept[name] = {"int4": pack_int4(joined[0]), "scale": joined[1], "zero": joined[2]}
         else:
