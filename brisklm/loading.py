@@ -207,6 +207,9 @@ def load(path: str | None = None, *, preset: str | None = None, options: LoadOpt
                             + (f"; did you mean {close[0]!r}?" if close else ""))
     opts = dataclasses.replace(options or LoadOptions(), **given)
     opts = resolved(opts)
+    if torch.device(opts.device).type == "cuda":
+        from .kernels import hash_triton_meanwhile
+        hash_triton_meanwhile()
     rank, world, group = tp_world() if opts.tensor_parallel is not False else (0, 1, None)
     t0 = time.perf_counter()
     weights = read_weights(path, preset, opts, rank, world)

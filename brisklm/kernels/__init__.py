@@ -1,1 +1,19 @@
 """Triton kernels for the GPU decode path (see gemv.py)."""
+import threading
+
+
+def hash_triton_meanwhile():
+    """Before a process's first kernel launch Triton hashes its own library (the
+    key of its kernel cache); the hashing releases the GIL, so a thread started
+    before the weights load does it while they load."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # (no triton, or another layout of it: hashed at the first launch)
+        return
+
+    def run():
+        try:
+            triton_key()
+        except Exception:  # (the first launch hashes again and reports what is wrong)
+            pass
+    threading.Thread(target=run, name="brisklm-triton-key", daemon=True).start()
