@@ -165,6 +165,27 @@ def test_a_shape_not_measured_takes_the_nearest_measured_shapes_blocks_split_to_
         assert gemv.beats_dense(3840, 3840) and not gemv.beats_dense(24576, 4096)
 
 
+@pytest.mark.parametrize("gpu,sms,takes", [("NVIDIA H200", 132, "NVIDIA H200"),
+                                           ("NVIDIA H100 80GB HBM3", 132, "NVIDIA H200"),
+                                           ("NVIDIA H100 PCIe", 114, None)])
+def test_a_gpu_without_a_table_takes_that_of_a_measured_gpu_with_its_sms(monkeypatch, gpu, sms, takes):
+    import types
+
+    import torch
+
+    from brisklm.kernels import gemv
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(major=9, minor=0, multi_processor_count=sms))
+    monkeypatch.setattr(gemv, "_tuned", None)
+    with open(gemv.TUNED_FILE) as f:
+        tables = json.load(f)
+    expected = {k: v for k, v in tables[takes].items() if k != "_gpu"} if takes else {}
+    assert gemv.tuned() == expected and (not takes or len(expected) > 10)
+    assert takes or gemv.config("4d", 6144, 4096) == gemv.DEFAULT_CONFIG["4d"]
+
+
 @pytest.mark.compile
 def test_gemv_blocks_are_a_constant_of_the_traced_graph():
     """The GEMV ops take their block sizes as an argument, looked up while

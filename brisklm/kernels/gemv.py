@@ -84,15 +84,26 @@ _tuned: dict | None = None
 
 
 def tuned() -> dict:
-    """The measured table for this process's GPU: "bits:N:K" -> entry."""
+    """The measured table for this process's GPU: "bits:N:K" -> entry. A GPU
+    with no table of its own takes that of a measured GPU of its architecture
+    and number of SMs (an H100's blocks are the H200's: the same SMs, other
+    memory); the fixed defaults leave SMs idle on the wide matrices."""
     global _tuned
     if _tuned is None:
         table = {}
         if os.path.exists(TUNED_FILE) and torch.cuda.is_available():
             with open(TUNED_FILE) as f:
-                table = json.load(f).get(torch.cuda.get_device_name(), {})
-        _tuned = table
+                tables = json.load(f)
+            table = tables.get(torch.cuda.get_device_name()) or next(
+                (t for t in tables.values() if t.get("_gpu") == gpu_kind()), {})
+        _tuned = {key: entry for key, entry in table.items() if key != "_gpu"}
     return _tuned
+
+
+def gpu_kind() -> dict:
+    """What a table of block sizes suits: the architecture and the number of SMs."""
+    props = torch.cuda.get_device_properties()
+    return {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count}
 
 
 @contextlib.contextmanager
