@@ -28,7 +28,7 @@ from brisklm.quantize import (FORMATS, dequantize, pack_int4, quantize_fp8, quan
 
 # (N, K): SmolLM2-135M's wqkv and w2 (its wo and w13 differ only in N), and
 # ragged shapes (N not a multiple of the row block, K of no block; int4 pads K).
-GEMV_SHAPES = [(960, 576), (576, 1536), (37, 200), (5, 96)]
+GEMV_SHAPES = [(96, 576), (64, 1536), (37, 200), (5, 96)]  # SmolLM2's K (576, 1536), some of its rows
 TINY = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
