@@ -168,7 +168,7 @@ def test_a_shape_not_measured_takes_the_nearest_measured_shapes_blocks_split_to_
 @pytest.mark.parametrize("gpu,sms,takes", [("NVIDIA H200", 132, "NVIDIA H200"),
                                            ("NVIDIA H100 80GB HBM3", 132, "NVIDIA H200"),
                                            ("NVIDIA H100 PCIe", 114, None)])
-def test_a_gpu_without_a_table_takes_that_of_a_measured_gpu_with_its_sms(monkeypatch, gpu, sms, takes):
+def test_a_gpu_takes_what_its_table_lacks_from_a_measured_gpu_with_its_sms(monkeypatch, tmp_path, gpu, sms, takes):
     import types
 
     import torch
@@ -184,6 +184,14 @@ def test_a_gpu_without_a_table_takes_that_of_a_measured_gpu_with_its_sms(monkeyp
     expected = {k: v for k, v in tables[takes].items() if k != "_gpu"} if takes else {}
     assert gemv.tuned() == expected and (not takes or len(expected) > 10)
     assert takes or gemv.config("4d", 6144, 4096) == gemv.DEFAULT_CONFIG["4d"]
+    # its own entries first: a table of its own for one width keeps the other widths' from its kin
+    own = {"4d:6144:4096": {"config": [8, 512, 2, 4], "us": 1.0}, "_gpu": {"capability": "9.0", "sms": sms}}
+    monkeypatch.setattr(gemv, "TUNED_FILE", str(tmp_path / "tuned.json"))
+    (tmp_path / "tuned.json").write_text(json.dumps({**tables, gpu: own}))
+    monkeypatch.setattr(gemv, "_tuned", None)
+    assert gemv.config("4d", 6144, 4096) == (8, 512, 2, 4)
+    kin = {k: v for k, v in tables["NVIDIA H200"].items() if k != "_gpu"} if takes and gpu != "NVIDIA H200" else {}
+    assert gemv.tuned() == {**kin, "4d:6144:4096": own["4d:6144:4096"]}
 
 
 @pytest.mark.compile

@@ -84,18 +84,19 @@ _tuned: dict | None = None
 
 
 def tuned() -> dict:
-    """The measured table for this process's GPU: "bits:N:K" -> entry. A GPU
-    with no table of its own takes that of a measured GPU of its architecture
-    and number of SMs (an H100's blocks are the H200's: the same SMs, other
-    memory); the fixed defaults leave SMs idle on the wide matrices."""
+    """The measured table for this process's GPU: "bits:N:K" -> entry. What
+    this GPU has no entry for comes from a measured GPU of its architecture
+    and number of SMs (an H100's from the H200's: the same SMs, other
+    memory), not the fixed defaults, which leave SMs idle on wide matrices."""
     global _tuned
     if _tuned is None:
         table = {}
         if os.path.exists(TUNED_FILE) and torch.cuda.is_available():
             with open(TUNED_FILE) as f:
                 tables = json.load(f)
-            table = tables.get(torch.cuda.get_device_name()) or next(
-                (t for t in tables.values() if t.get("_gpu") == gpu_kind()), {})
+            name, kind = torch.cuda.get_device_name(), gpu_kind()
+            alike = next((t for other, t in tables.items() if other != name and t.get("_gpu") == kind), {})
+            table = {**alike, **tables.get(name, {})}
         _tuned = {key: entry for key, entry in table.items() if key != "_gpu"}
     return _tuned
 
