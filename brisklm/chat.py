@@ -147,12 +147,13 @@ def parse_tool_calls(text: str, names=None) -> tuple[str, list[dict]]:
     """(the text outside the calls, the calls {"name", "arguments" (JSON
     text)}) of a reply in the Hermes layout; a block that is not a call's
     JSON, or names a function not in `names`, stays text. An unclosed last
-    block counts if it parses (the end token can come before the tag)."""
+    block counts if it parses (the end token, or max_tokens, can come before
+    the tag, or inside it)."""
     calls, kept, at = [], [], 0
     while (start := text.find(TOOL_CALL_OPEN, at)) >= 0:
         end = text.find(TOOL_CALL_CLOSE, start)
         body = text[start + len(TOOL_CALL_OPEN):end if end >= 0 else len(text)]
-        call = _call(body, names)
+        call = _call(body if end >= 0 else _without_tag_start(body), names)
         if call is None:
             kept.append(text[at:end + len(TOOL_CALL_CLOSE) if end >= 0 else len(text)])
         else:
@@ -215,9 +216,14 @@ class ToolCallSplitter:
 
     def _block(self, block: str) -> list[tuple[str, object]]:
         body = block[len(TOOL_CALL_OPEN):]
-        body = body[:-len(TOOL_CALL_CLOSE)] if body.endswith(TOOL_CALL_CLOSE) else body
+        body = body[:-len(TOOL_CALL_CLOSE)] if body.endswith(TOOL_CALL_CLOSE) else _without_tag_start(body)
         call = _call(body, self.names)
         return [("call", call)] if call is not None else [("content", block)]
+
+
+def _without_tag_start(body: str) -> str:
+    """An unclosed block's body less a closing tag's start at its end (a reply cut inside the tag)."""
+    return body[:len(body) - _partial_suffix(body, TOOL_CALL_CLOSE)]
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -222,6 +222,17 @@ def test_tool_calls_are_parsed_out_of_a_reply():
     assert calls == [{"name": "f", "arguments": '{"x": 1}'}, {"name": "g", "arguments": "{}"}]
 
 
+def test_a_call_cut_inside_its_closing_tag_is_a_call_streamed_or_not():
+    """A reply that max_tokens ends inside the closing tag: its call's JSON is whole."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_'
+    assert chat.parse_tool_calls(text, {"f"}) == ("", [{"name": "f", "arguments": '{"x": 1}'}])
+    splitter = chat.ToolCallSplitter({"f"})
+    events = splitter.push(text) + splitter.finish()
+    assert events == [("call", {"name": "f", "arguments": '{"x": 1}'})]
+    cut = '<tool_call>\n{"name": "f", "arguments": {"x": '  # (not whole: stays text)
+    assert chat.parse_tool_calls(cut, {"f"}) == (cut.strip(), [])
+
+
 def test_a_block_that_is_not_a_known_call_stays_text():
     text = 'a <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call> b <tool_call>oops</tool_call>'
     assert chat.parse_tool_calls(text, {"f"}) == (text, [])
