@@ -200,7 +200,7 @@ def test_brisk_chat_tp_reads_the_terminal_once_and_replies_as_one_process(smollm
     """Rank 0 reads each line and every rank takes the same turn: the replies
     are the single process's (SmolLM2's 9 heads and 3 KV heads over 3 ranks)."""
     flags = ["chat", "--checkpoint_path", smollm2_gguf, "--device", "cpu", "--dtype", "float32", "--temperature",
-             "0", "--max_new_tokens", "12"]
+             "0", "--max_new_tokens", "12", "--no_compile"]  # (the single process too: no compile beside it)
     talk = "What is the capital of France?\nAnd of Italy?\n/exit\n"
     alone = subprocess.run([sys.executable, "-m", "brisklm", *flags], env=ENV, input=talk, capture_output=True,
                            text=True, timeout=600)
