@@ -320,7 +320,7 @@ def raw_blocks(tensor, block_bytes: int, device) -> torch.Tensor:
     with warnings.catch_warnings():  # (the mapped file is read-only; nothing writes to it)
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(raw).to(device)
-    return raw.view(raw.shape[0], -1, block_bytes)
+    return raw.reshape(raw.shape[0], -1, block_bytes)
 
 
 def fp16_field(blocks: torch.Tensor, at: int) -> torch.Tensor:
