@@ -183,7 +183,10 @@ def test_a_gpu_takes_what_its_table_lacks_from_a_measured_gpu_with_its_sms(monke
         tables = json.load(f)
     expected = {k: v for k, v in tables[takes].items() if k != "_gpu"} if takes else {}
     assert gemv.tuned() == expected and (not takes or len(expected) > 10)
-    assert takes or gemv.config("4d", 6144, 4096) == gemv.DEFAULT_CONFIG["4d"]
+    if not takes:  # no measured blocks: the default blocks, K split so that the SMs have 4 programs each
+        block_n, block_k, split, _ = gemv.config("4d", 6144, 4096, 128)
+        assert (block_n, block_k) == gemv.DEFAULT_CONFIG["4d"][:2] and (6144 // block_n) * split >= 4 * sms
+        assert gemv.config("4d", 128256, 4096, 128)[2] == 1  # (enough rows: not split)
     # its own entries first: a table of its own for one width keeps the other widths' from its kin
     own = {"4d:6144:4096": {"config": [8, 512, 2, 4], "us": 1.0}, "_gpu": {"capability": "9.0", "sms": sms}}
     monkeypatch.setattr(gemv, "TUNED_FILE", str(tmp_path / "tuned.json"))

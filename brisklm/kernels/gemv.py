@@ -148,6 +148,8 @@ def traced_as_constants():
 def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
     entry = measured(bits, n, k)
     block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
+    if entry is None:
+        split_k = filling_split(n, block_n)
     block_k = max(block_k, group or 1)
     # Blocks tile K exactly where they can (no masks along K), and hold whole
     # groups; where no block does, K is ragged anyway and the wide block stays.
@@ -159,6 +161,20 @@ def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[i
     blocks = k // block_k if k % block_k == 0 else 1  # (a ragged K is not split)
     split_k = min((s for s in range(1, 2 * split_k + 1) if blocks % s == 0), key=lambda s: (abs(s - split_k), -s))
     return block_n, block_k, split_k, warps
+
+
+def filling_split(n: int, block_n: int, programs_an_sm: int = 4) -> int:
+    """The split of K that gives a GPU with no measured blocks about
+    `programs_an_sm` programs an SM where its rows alone give fewer (a
+    matrix of 6144 rows in blocks of 64 is 96 programs: most of a GPU's
+    SMs idle); 1 off GPUs."""
+    if not torch.cuda.is_available():
+        return 1
+    wanted = programs_an_sm * torch.cuda.get_device_properties().multi_processor_count
+    programs, split = -(-n // block_n), 1
+    while programs * split < wanted and split < 8:
+        split *= 2
+    return split
 
 
 def beats_dense(n: int, k: int) -> bool:
