@@ -147,8 +147,10 @@ def traced_as_constants():
 
 def config(bits: int | str, n: int, k: int, group: int | None = None) -> tuple[int, int, int, int]:
     entry = measured(bits, n, k)
-    block_n, block_k, split_k, warps = entry["config"] if entry else DEFAULT_CONFIG[bits]
-    if entry is None:
+    if entry:
+        block_n, block_k, split_k, warps = entry["config"]
+    else:  # (the default blocks, K split to fill the GPU)
+        block_n, block_k, _, warps = DEFAULT_CONFIG[bits]
         split_k = filling_split(n, block_n)
     block_k = max(block_k, group or 1)
     # Blocks tile K exactly where they can (no masks along K), and hold whole
