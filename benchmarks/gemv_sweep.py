@@ -213,7 +213,7 @@ def write_table(table):
     except FileNotFoundError:
         data = {}
     data.setdefault(name, {}).update(table)  # a sweep of some kinds keeps the others
-    data[name]["_gpu"] = gemv.gpu_kind()  # (a GPU with no table of its own and the same SMs takes it)
+    data[name]["_gpu"] = gemv.gpu_kind()  # (a GPU of the same SMs takes what its own table lacks from here)
     with open(gemv.TUNED_FILE, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     print(f"wrote {len(table)} entries for {name} to {gemv.TUNED_FILE}", flush=True)
