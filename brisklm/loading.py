@@ -128,8 +128,11 @@ def gguf_blocks_to_keep(device, fused_kernels: bool = True) -> str:
     layer, where aten's int8 matmul, once per group of 32 inputs, beats its
     dense copy (quantize.GroupedInt8Linear), which it does not at the layers'
     sizes."""
+    from .kernels import may_run
+    if not (fused_kernels and may_run(device)):
+        return "output"
     from .kernels import gemv
-    return "all" if fused_kernels and gemv.available(torch.device(device)) else "output"
+    return "all" if gemv.available(torch.device(device)) else "output"
 
 
 def check_kept_blocks(state, mode: str, name="model", quiet=True):
@@ -374,7 +377,8 @@ def build(weights: Weights, opts: LoadOptions, rank: int, world: int, group) -> 
     # keep each one alive after preparing copies it (an MoE's stacked experts:
     # bf16 Mixtral held 2x its 93 GB and did not fit an H200).
     weights.state.clear()
-    if opts.fused_kernels:
+    from .kernels import may_run
+    if opts.fused_kernels and may_run(model.device):
         from .fusion import fuse_for_decode
         fuse_for_decode(model)
     if world > 1:

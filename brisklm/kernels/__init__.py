@@ -1,5 +1,13 @@
 """Triton kernels for the GPU decode path (see gemv.py)."""
+import os
 import threading
+
+
+def may_run(device) -> bool:
+    """Whether the kernels could run for tensors on `device` (a CUDA GPU, or
+    any device under Triton's interpreter), asked without importing Triton
+    (a fifth of a second of a CPU process's start); gemv.available decides."""
+    return str(device).startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def hash_triton_meanwhile():
