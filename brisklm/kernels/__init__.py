@@ -3,11 +3,16 @@ import os
 import threading
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: CPU tensors, no PTX)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def may_run(device) -> bool:
     """Whether the kernels could run for tensors on `device` (a CUDA GPU, or
     any device under Triton's interpreter), asked without importing Triton
     (a fifth of a second of a CPU process's start); gemv.available decides."""
-    return str(device).startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+    return str(device).startswith("cuda") or interpreted()
 
 
 def hash_triton_meanwhile():

@@ -51,16 +51,13 @@ import os
 
 import torch
 
+from . import interpreted  # noqa: F401  (gemv.interpreted, as the kernels' callers name it)
+
 try:
     import triton
     import triton.language as tl
 except Exception:  # CPU-only installs (no triton), or a triton that fails to import: torch ops instead
     triton = None
-
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: CPU tensors, no PTX)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device: torch.device) -> bool:
