@@ -186,13 +186,36 @@ def tp_world() -> tuple[int, int, object]:
     return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
-def usable_device(device: str) -> str:
-    """device, or a one-line error if torch cannot use it here."""
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError) as e:
-        raise BriskError(f"device {device!r} is not usable: {str(e).splitlines()[0]}") from None
+def usable_device(device: str, meanwhile: bool = False) -> str:
+    """device, or a one-line error if torch cannot use it here. meanwhile: a
+    CUDA device's context (about 0.2 s, which releases the GIL) is created on
+    a thread while the load goes on; device_ready waits for it."""
+    def start():
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:
+            return BriskError(f"device {device!r} is not usable: {str(e).splitlines()[0]}")
+
+    name = str(device)
+    index = "0" if name == "cuda" else name.removeprefix("cuda:")
+    if meanwhile and name.startswith("cuda") and index.isdigit() and int(index) < torch.cuda.device_count():
+        import concurrent.futures
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        _starting[name] = pool.submit(start)
+        pool.shutdown(wait=False)  # (its thread ends after this one task)
+    elif error := start():
+        raise error
     return device
+
+
+_starting = {}  # device: the future of its context's creation (usable_device's meanwhile)
+
+
+def device_ready(device: str):
+    """Wait for usable_device's creation of `device`'s context, if any; its error, if it failed."""
+    future = _starting.pop(str(device), None)
+    if future is not None and (error := future.result()):
+        raise error
 
 
 def load(path: str | None = None, *, preset: str | None = None, options: LoadOptions | None = None,
@@ -234,7 +257,7 @@ def resolved(opts: LoadOptions) -> LoadOptions:
     quantize = opts.quantize or "none"
     if quantize not in LOAD_MODES:
         raise BriskError(f"unknown quantization {quantize!r} (choose from {', '.join(LOAD_MODES)})")
-    device = usable_device(opts.device or default_device())
+    device = usable_device(opts.device or default_device(), meanwhile=True)
     compile = default_compile(device) if opts.compile is None else opts.compile
     if opts.compile_prefill:  # (compiled at the first prefill, on this thread)
         from .kernels import gemv
@@ -293,6 +316,7 @@ def read_weights(path: str | None, preset: str | None, opts: LoadOptions, rank: 
     as_loaded += f", rank {rank}'s share of {world}" if world > 1 else ""
 
     def plan(args, stored=None, name=None):  # (before any tensor is read)
+        device_ready(device)
         plan_memory(local_shapes(args, world), torch.device(device), dtype, quantize, opts.groupsize, opts.kv_int8,
                     opts.max_seq_length, weights=stored, name=name, quiet=opts.quiet)
 

@@ -67,3 +67,25 @@ def test_every_way_of_running_a_step_gives_the_same_tokens():
     """Block-compiled, uncompiled and op-by-op steps, and the prefill graphs
     captured between turns as brisk chat does (steps_check.py)."""
     assert "all the same" in run_script("steps_check.py")
+
+
+def test_the_cuda_context_starts_beside_the_load_and_a_missing_gpu_is_one_error():
+    """loading.usable_device(meanwhile=True): the context is created on a
+    thread (device_ready waits for it); a GPU index past the machine's is
+    refused at once, as a user error."""
+    code = ("import torch\n"
+            "from brisklm.errors import BriskError\n"
+            "from brisklm.loading import device_ready, usable_device\n"
+            "usable_device('cuda', meanwhile=True)\n"
+            "device_ready('cuda')\n"
+            "assert torch.cuda.is_initialized() and torch.ones(2, device='cuda').sum().item() == 2\n"
+            "missing = f'cuda:{torch.cuda.device_count()}'\n"
+            "try:\n"
+            "    usable_device(missing, meanwhile=True)\n"
+            "except BriskError as e:\n"
+            "    assert 'not usable' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError(missing)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
