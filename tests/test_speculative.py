@@ -25,19 +25,22 @@ TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden
 GREEDY = SamplingParams()
 # Repetitive prompts give prompt lookup something to find; the model, fed its own output, repeats too.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3, 4, 5, 9, 9, 1, 2, 3], [3]]
+# The compile tests' model and cache length are test_generate's (2 layers, 64 positions): the
+# graphs and kernels they share come from inductor's cache instead of compiling again.
+COMPILED, COMPILED_LENGTH = dataclasses.replace(TINY, num_hidden_layers=2), 64
 
 
 def tiny_model(seed=0, args=TINY):
     return build_model(args, random_state_dict(args, torch.float32, seed=seed, std=0.3))
 
 
-def drafters(target, kind):
+def drafters(target, kind, args=TINY, length=128):
     if kind == "ngram":
         return NgramDrafter()
     if kind == "self":
         return ModelDrafter(target, depth=1)
-    draft = tiny_model(seed=7)  # a different model sharing the vocabulary
-    draft.setup_caches(1, 128)
+    draft = tiny_model(seed=7, args=args)  # a different model sharing the vocabulary
+    draft.setup_caches(1, length)
     return ModelDrafter(draft)
 
 
@@ -516,12 +519,13 @@ def test_compiled_verify_and_draft_steps_give_the_plain_greedy_output():
     """Where decoding is compiled, so are the verify step (its rows padded to
     drafts + 1) and the one-token draft steps (Generator.logits), their
     attention reading only the cache blocks their positions see."""
-    plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
+    plain = Generator(tiny_model(args=COMPILED), COMPILED_LENGTH)
+    spec = Generator(tiny_model(args=COMPILED), COMPILED_LENGTH, compile=True)
     (whole, compiled), shapes = spec.steps.compiled_functions(), []  # (what the first request switches to)
     spec.steps.compiled_whole = whole, lambda model, idx, *a, **k: shapes.append(
         (model is spec.model, idx.shape[1])) or compiled(model, idx, *a, **k)
     for kind in ("ngram", "self", "model"):
-        drafter = drafters(spec.model, kind)
+        drafter = drafters(spec.model, kind, COMPILED, COMPILED_LENGTH)
         for prompt in PROMPTS[:2]:
             want = list(plain.tokens(prompt, 40, GREEDY))
             got = list(spec.tokens(prompt, 40, GREEDY, drafter=drafter, draft_tokens=3, adapt_drafts=False))
@@ -535,8 +539,8 @@ def test_compiled_verify_steps_see_only_a_sliding_window():
     """A sliding-window model (Mistral's, Gemma's local layers), positions past
     the first block of the verify step's mask: the blocks before the first
     query's window are left out (model.rows_block_mask), the rest masked."""
-    args = ModelArgs(**{**TINY.to_dict(), "sliding_window": 24, "max_position_embeddings": 512})
-    plain, spec = Generator(tiny_model(args=args), 400), Generator(tiny_model(args=args), 400, compile=True)
+    args = dataclasses.replace(COMPILED, sliding_window=24)
+    plain, spec = Generator(tiny_model(args=args), 256), Generator(tiny_model(args=args), 256, compile=True)
     prompt = [5, 6, 7, 8, 9, 10, 11] * 25  # 175 tokens: the window's start passes block 0
     want = list(plain.tokens(prompt, 40, GREEDY))
     assert list(spec.tokens(prompt, 40, GREEDY, drafter=NgramDrafter(), draft_tokens=4, adapt_drafts=False)) == want
@@ -545,7 +549,8 @@ def test_compiled_verify_steps_see_only_a_sliding_window():
 
 @pytest.mark.compile
 def test_steps_without_drafts_take_the_compiled_decode_step_and_change_nothing():
-    plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128, compile=True)
+    plain = Generator(tiny_model(args=COMPILED), COMPILED_LENGTH)
+    spec = Generator(tiny_model(args=COMPILED), COMPILED_LENGTH, compile=True)
     for prompt in PROMPTS:  # (prompt lookup finds nothing in [3]: steps without drafts)
         want = list(plain.tokens(prompt, 30, GREEDY))
         assert list(spec.tokens(prompt, 30, GREEDY, drafter=NgramDrafter(), draft_tokens=4)) == want, prompt
@@ -557,12 +562,13 @@ def test_warm_up_compiles_the_speculative_steps_before_generation():
     grad mode generation runs them in): generating afterwards compiles nothing."""
     from torch._dynamo.utils import counters
     from brisklm.api import LLM
-    llm = LLM(tiny_model(), None, max_seq_length=128, compile=True, speculate="self", draft_tokens=3, draft_layers=1)
+    llm = LLM(tiny_model(args=COMPILED), None, max_seq_length=COMPILED_LENGTH, compile=True, speculate="self",
+              draft_tokens=3, draft_layers=1)
     llm.warm_up(PROMPTS[0])
     llm.wait_compiled()  # (compiled on another thread meanwhile)
     assert llm.generator.steps.to_compile == "whole"  # (waited for, on a CPU: the faster step)
     compiled = counters["stats"]["unique_graphs"]
-    plain = list(Generator(tiny_model(), 128).tokens(PROMPTS[0], 30, GREEDY))
+    plain = list(Generator(tiny_model(args=COMPILED), COMPILED_LENGTH).tokens(PROMPTS[0], 30, GREEDY))
     assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain
     assert counters["stats"]["unique_graphs"] == compiled
 
@@ -575,9 +581,10 @@ def test_speculation_while_the_step_compiles_on_another_thread_and_after_the_swi
     nothing compiles at a request); greedy gives plain decoding's tokens."""
     from torch._dynamo.utils import counters
     from brisklm.api import LLM
-    llm = LLM(tiny_model(), None, max_seq_length=128, compile=True, speculate="self", draft_tokens=3, draft_layers=1)
+    llm = LLM(tiny_model(args=COMPILED), None, max_seq_length=COMPILED_LENGTH, compile=True, speculate="self",
+              draft_tokens=3, draft_layers=1)
     llm.warm_up(PROMPTS[0], wait=False)
-    plain = list(Generator(tiny_model(), 128).tokens(PROMPTS[0], 30, GREEDY))
+    plain = list(Generator(tiny_model(args=COMPILED), COMPILED_LENGTH).tokens(PROMPTS[0], 30, GREEDY))
     assert list(llm.stream_ids(PROMPTS[0], 30, stop_ids=())) == plain  # (compiling, or switched: the same)
     llm.wait_compiled()
     assert llm.generator.steps.rows is not None and not llm.generator.steps.compiling
