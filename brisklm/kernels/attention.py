@@ -33,7 +33,8 @@ import math
 
 import torch
 
-from .gemv import _direct, _shapes_only, available, early_launch, interpreted, triton
+from . import interpreted
+from .gemv import _direct, _shapes_only, available, early_launch, triton
 
 if triton is not None:  # without triton (CPU wheels) only supported() is used, and says no
     import triton.language as tl

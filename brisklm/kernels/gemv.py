@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from . import interpreted  # noqa: F401  (gemv.interpreted, as the kernels' callers name it)
+from . import interpreted
 
 try:
     import triton

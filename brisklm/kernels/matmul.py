@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .gemv import available, interpreted, triton
+from . import interpreted
+from .gemv import available, triton
 
 FEW_ROWS = 64  # up to this many tokens, a quantized Linear on a GPU uses these kernels
 
