@@ -16,7 +16,8 @@ only place a kernel route is chosen:
 - an MoE layer's experts' Linears too: one token's chosen experts are
   read in place from the stacked weights, at their index on the device
   (FusedLinear.expert_forward, gemv.expert_gemv), where the plain format
-  copies each one out first;
+  copies each one out first; a few tokens that run every expert read all
+  their w13 matrices in one launch (FusedLinear.experts_forward);
 - Attention becomes FusedAttention (the same modules): one token's RoPE, cache write and
   attention in one kernel (kernels/attention.py) that reads the filled
   length on the device, so a decode step needs no host value and replays
@@ -64,6 +65,11 @@ class Route:
     def expert(self, w, part: dict, x, e):
         return None
 
+    def every_expert(self, w, part: dict, x):
+        """x (M, K) times every expert's matrix at once, `part` holding them
+        stacked (E, N, ...): (M, E * N) as one matrix of E * N rows."""
+        return None
+
 
 ROUTES: dict[type, Route] = {}  # each weight format's, registered below
 
@@ -98,6 +104,9 @@ class DenseRoute(Route):
         y = gemv.expert_gemv(x, part["weight"], e)
         return None if y is None else y.sum(0)
 
+    def every_expert(self, w, part, x):
+        return F.linear(x, part["weight"].flatten(0, 1))
+
 
 @route(Int4WeightOnlyLinear)
 class Int4Route(Route):
@@ -116,6 +125,10 @@ class Int4Route(Route):
         y = gemv.expert_gemv(x, part["packed"], e, part["scale"], part["zero"]) if w.padded == w.in_features else None
         return None if y is None else y.sum(0)
 
+    def every_expert(self, w, part, x):
+        x = F.pad(x, (0, w.padded - w.in_features)) if w.padded != w.in_features else x
+        return matmul.few_rows_matmul(x, *(part[name].flatten(0, 1) for name in ("packed", "scale", "zero")))
+
 
 @route(ScaledWeightOnlyLinear)
 class ScaledRoute(Route):  # int8 and fp8 (measured no gain from folding the norm)
@@ -123,11 +136,14 @@ class ScaledRoute(Route):  # int8 and fp8 (measured no gain from folding the nor
         return gemv.scaled_gemv(normed(x, norm), w.weight).sum(0) * w.scale.float()
 
     def few_rows(self, w, x):
-        return matmul.few_rows_matmul(x, w.weight) * w.scale.float()
+        return matmul.few_rows_matmul(x, w.weight) * w.scale
 
     def expert(self, w, part, x, e):
         y = gemv.expert_gemv(x, part["weight"], e)  # (None for codes the kernel takes not: fp8)
         return None if y is None else y.sum(0) * part["scale"].index_select(0, e)[0].float()
+
+    def every_expert(self, w, part, x):
+        return matmul.few_rows_matmul(x, part["weight"].flatten(0, 1)) * part["scale"].flatten()
 
 
 @route(GroupedInt8Linear)
@@ -140,6 +156,9 @@ class GroupedInt8Route(Route):  # Q8_0
 
     def few_rows(self, w, x):
         return matmul.few_rows_matmul(x, w.weight, w.scale)
+
+    def every_expert(self, w, part, x):
+        return matmul.few_rows_matmul(x, part["weight"].flatten(0, 1), part["scale"].flatten(0, 1))
 
 
 class FusedLinear(WeightFormat):
@@ -174,6 +193,15 @@ class FusedLinear(WeightFormat):
             return super().expert_forward(stacked, x, e)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def experts_forward(self, stacked, x):
+        """Every expert's matrix as one of E * N rows, where the route has a
+        kernel for it (a few rows): one launch reads them all."""
+        parts = {name.removeprefix("inner."): t for name, t in stacked.items()}
+        y = self.route.every_expert(self.inner, parts, x) if matmul.supported(x) and self.bias is None else None
+        if y is None:
+            return super().experts_forward(stacked, x)
+        return y.view(x.shape[0], -1, self.out_features).transpose(0, 1).to(x.dtype, memory_format=torch.contiguous_format)
 
     def prepare(self, device, compiled=False):
         """Nothing: the kernels read `inner` as stored."""

@@ -334,6 +334,13 @@ class WeightFormat(nn.Module):
         (1,) tensor on the device). Here: e's tensors indexed out, then forward."""
         return torch.func.functional_call(self, {name: t.index_select(0, e)[0] for name, t in stacked.items()}, (x,))
 
+    def experts_forward(self, stacked: dict[str, torch.Tensor], x):
+        """x (M, in_features) times every expert's matrix: (E, M, out_features),
+        `stacked` as for expert_forward. Here: one expert after another."""
+        experts = next(iter(stacked.values())).shape[0]
+        return torch.stack([torch.func.functional_call(self, {name: t[e] for name, t in stacked.items()}, (x,))
+                            for e in range(experts)])
+
 
 class Linear(WeightFormat, nn.Linear):
     """Dense weights (nn.Linear's parameters)."""
@@ -478,10 +485,15 @@ class MoEFeedForward(nn.Module):
         return y.to(x.dtype).reshape(x.shape)
 
     def by_every_expert(self, x, weights, chosen):
+        if self.stacked is None:
+            self.stack()
+        expert = self.experts[0]
+        share = weights.new_zeros(x.shape[0], len(self.experts)).scatter_(1, chosen, weights)  # (M, E): 0 where not chosen
+        gate, up = expert.w13.experts_forward(self.stacked["w13"], x).split(expert.intermediate_size, dim=-1)
+        h = expert.act(gate) * up  # (E, M, I)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e, expert in enumerate(self.experts):
-            share = (weights * (chosen == e)).sum(-1, keepdim=True)  # (M, 1): 0 for the tokens that did not choose e
-            y += expert(x).float() * share
+        for e, each in enumerate(self.experts):
+            y.addcmul_(each.w2(h[e]), share[:, e, None])
         return y
 
     def by_expert(self, x, weights, chosen):

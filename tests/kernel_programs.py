@@ -314,10 +314,9 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
             assert torch.allclose(ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen), atol=1e-5)
         checked.append(f"moe {mode}")
     # bf16: one token's chosen experts read in place from the stacked weights (FusedLinear.expert_forward,
-    # gemv.expert_gemv),
-    # against the experts' own modules (by_expert)
+    # gemv.expert_gemv; Q8_0 has no such kernel and copies them out), against the experts' own modules (by_expert)
     with counted(gemv, "expert_gemv") as in_place:
-        for mode in ("int8", "int4", "bf16"):
+        for mode in ("int8", "int4", "q8_0", "bf16"):
             state = random_state_dict(moe, torch.bfloat16, std=0.1)
             qargs, qstate = (moe, state) if mode == "bf16" else quantize_state_dict(moe, state, mode, 32)
             a = fuse_for_decode(build_model(qargs, qstate, FORMATS))
@@ -330,10 +329,21 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
                 x = torch.randn(2, 64).bfloat16()  # (two rows: a verify step's)
                 weights, chosen = ffn.route(x)
                 got, want = ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen)
-            assert len(in_place) == 8, (mode, in_place)  # two rows, two experts each, two matrices each
+            assert len(in_place) == (0 if mode == "q8_0" else 8), mode  # two rows, two experts each, two matrices each
             err = relative_error(got, want)
             assert err < 2e-2, (mode, err)
             checked.append(f"in place {mode}")
+            # a short prompt's rows through every expert, w13 of all four in one launch (FusedLinear.experts_forward)
+            with torch.no_grad():
+                x = torch.randn(8, 64).bfloat16()
+                weights, chosen = ffn.route(x)
+                want = ffn.by_expert(x, weights, chosen)
+                with counted(matmul, "few_rows_matmul") as launches:
+                    got = ffn.by_every_expert(x, weights, chosen)
+            assert len(launches) == (0 if mode == "bf16" else 1 + 4), (mode, len(launches))  # (bf16: cuBLAS)
+            err = relative_error(got, want)
+            assert err < 2e-2, (mode, err)
+            checked.append(f"every expert {mode}")
     return checked
 
 

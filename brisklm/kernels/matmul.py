@@ -195,7 +195,8 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     weights (N, K) in x's dtype."""
     if codes.is_cuda and not interpreted() and torch.compiler.is_compiling():  # (outside a trace, the
         return _few_rows_op(x, codes, scale, zero).sum(0)  # op's call would only import the compiler)
-    return _launch(x, codes, scale, zero).sum(0)  # (the sum outside the op: a compiled step fuses it)
+    partial = _launch(x, codes, scale, zero)  # (the sum outside the op: a compiled step fuses it)
+    return partial[0] if len(partial) == 1 else partial.sum(0)
 
 
 def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
