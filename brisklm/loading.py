@@ -240,6 +240,8 @@ def load(path: str | None = None, *, preset: str | None = None, options: LoadOpt
     t0 = time.perf_counter()
     weights = read_weights(path, preset, opts, rank, world)
     model = build(weights, opts, rank, world, group)
+    if torch.device(opts.device).type == "cuda":  # (the memory the load's passing tensors held, cached, is no
+        torch.cuda.empty_cache()  # use to CUDA graphs, whose pool is their own: Mixtral int8 on 80 GB ran out)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", opts.quiet)
     llm = LLM(model, weights.tokenizer, max_seq_length=opts.max_seq_length, compile=opts.compile,
               compile_prefill=opts.compile_prefill, compile_options=opts.compile_options, name=weights.name,
