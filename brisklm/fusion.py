@@ -198,7 +198,8 @@ class FusedLinear(WeightFormat):
         """Every expert's matrix as one of E * N rows, where the route has a
         kernel for it (a few rows): one launch reads them all."""
         parts = {name.removeprefix("inner."): t for name, t in stacked.items()}
-        y = self.route.every_expert(self.inner, parts, x) if matmul.supported(x) and self.bias is None else None
+        fits = self.bias is None and all(t.numel() < 2**31 for t in parts.values())  # (the kernels' int32 offsets)
+        y = self.route.every_expert(self.inner, parts, x) if fits and matmul.supported(x) else None
         if y is None:
             return super().experts_forward(stacked, x)
         return y.view(x.shape[0], -1, self.out_features).transpose(0, 1).to(x.dtype, memory_format=torch.contiguous_format)
