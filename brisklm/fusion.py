@@ -202,7 +202,8 @@ class FusedLinear(WeightFormat):
         y = self.route.every_expert(self.inner, parts, x) if fits and matmul.supported(x) else None
         if y is None:
             return super().experts_forward(stacked, x)
-        return y.view(x.shape[0], -1, self.out_features).transpose(0, 1).to(x.dtype, memory_format=torch.contiguous_format)
+        y = y.view(x.shape[0], -1, self.out_features).transpose(0, 1)  # (E, M, N), each expert's rows together:
+        return y.to(x.dtype, memory_format=torch.contiguous_format)  # (the cast lays them out)
 
     def prepare(self, device, compiled=False):
         """Nothing: the kernels read `inner` as stored."""

@@ -488,7 +488,7 @@ class MoEFeedForward(nn.Module):
         if self.stacked is None:
             self.stack()
         expert = self.experts[0]
-        share = weights.new_zeros(x.shape[0], len(self.experts)).scatter_(1, chosen, weights)  # (M, E): 0 where not chosen
+        share = weights.new_zeros(x.shape[0], len(self.experts)).scatter_(1, chosen, weights)  # (M, E), 0: not chosen
         gate, up = expert.w13.experts_forward(self.stacked["w13"], x).split(expert.intermediate_size, dim=-1)
         h = expert.act(gate) * up  # (E, M, I)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
