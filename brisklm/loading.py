@@ -236,12 +236,13 @@ def load(path: str | None = None, *, preset: str | None = None, options: LoadOpt
     if torch.device(opts.device).type == "cuda":
         from .kernels import hash_triton_meanwhile
         hash_triton_meanwhile()
+        expandable_segments()
     rank, world, group = tp_world() if opts.tensor_parallel is not False else (0, 1, None)
     t0 = time.perf_counter()
     weights = read_weights(path, preset, opts, rank, world)
     model = build(weights, opts, rank, world, group)
-    if torch.device(opts.device).type == "cuda":  # (the memory the load's passing tensors held, cached, is no
-        torch.cuda.empty_cache()  # use to CUDA graphs, whose pool is their own: Mixtral int8 on 80 GB ran out)
+    if torch.device(opts.device).type == "cuda":  # (what the load's passing tensors held goes back to the
+        torch.cuda.empty_cache()  # device, for the CUDA graphs' own pool)
     log(f"Loaded in {time.perf_counter() - t0:.2f} s", opts.quiet)
     llm = LLM(model, weights.tokenizer, max_seq_length=opts.max_seq_length, compile=opts.compile,
               compile_prefill=opts.compile_prefill, compile_options=opts.compile_options, name=weights.name,
@@ -252,6 +253,18 @@ def load(path: str | None = None, *, preset: str | None = None, options: LoadOpt
     if opts.warm_up:  # (no request waits for the compiler)
         llm.warm_up(quiet=opts.quiet)
     return llm
+
+
+def expandable_segments():
+    """Let the CUDA allocator give back memory between live tensors, unless
+    the user configured it: quantizing tensor by tensor leaves the freed
+    dense tensors' memory in segments that also hold kept weights, which
+    empty_cache cannot free and CUDA graphs' own pool cannot use (a large
+    quantized MoE model ran out of memory capturing its graphs)."""
+    if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+        # (the environment variable counts only before CUDA starts; torch.cuda's setter is deprecated)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
 def resolved(opts: LoadOptions) -> LoadOptions:
