@@ -72,6 +72,14 @@ class GenerationStats:
         return self.weight_bytes * self.decode_tokens_per_s / 1e9
 
 
+def next_or_none(run: Iterator[int], message=None) -> int | None:
+    """run's next token (sending it message), or None where it has ended."""
+    try:
+        return run.send(message)
+    except StopIteration:
+        return None
+
+
 class Generator:
     """Owns a model with its KV cache and its steps (steps.Steps)."""
 
@@ -217,23 +225,27 @@ class Generator:
     def _judged_run(self, history, room, policy, drafter, settings, stop, t_step):
         """Plain steps for a drafter that judges its drafts for free (prompt
         lookup): each token judged as it comes, while the device runs the
-        next step, and the run left once drafting would pay (the step queued
-        then is wasted), so that text where drafts fail decodes as plainly as
-        without a drafter; True where the generation ended. (Not under a
-        constraint: its matcher has taken the wasted step's token.)"""
-        k, judged_to, made, waited = policy.max_k, len(history), 0, 0.0
-        for value in self._plain_run(history[-1], len(history) - 1, room + 1, settings, None):
+        next step, and the run left once drafting would pay (after the step
+        queued then, whose token is kept), so that text where drafts fail
+        decodes as plainly as without a drafter; True where the generation
+        ended. (Not under a constraint: its masked steps run as _plain_steps.)"""
+        k, judged_to, made, waited, leaving = policy.max_k, len(history), 0, 0.0, False
+        run = self._plain_run(history[-1], len(history) - 1, room + 1, settings, None)
+        value = next(run, None)
+        while value is not None:
             made += 1
             self.stats.target_steps += 1
             t_out = time.perf_counter()
             if (yield from self._emit(history, value, stop)):
                 return True
             waited += time.perf_counter() - t_out  # (the consumer's time is not the step's)
-            if len(history) - k > judged_to:  # (a position is judged once k tokens follow it)
+            if not leaving and len(history) - k > judged_to:  # (a position is judged once k tokens follow it)
                 policy.observe(*drafter.judge(history, judged_to, k, end=len(history) - k))
                 judged_to = len(history) - k
-                if made < room + 1 and policy.pays(room - made) and drafter.propose(history, k, None)[0]:
-                    break  # (only where there is a draft to check now)
+                # (only where there is a draft to check now; the step queued already is the run's last)
+                leaving = (made < room - 1 and policy.pays(room - made - 1)
+                           and bool(drafter.propose(history, k, None)[0]))
+            value = next_or_none(run, leaving)
         policy.update(0, 0, self._agreed(time.perf_counter() - t_step - waited), steps=made)
         drafter.kept(len(history) - 1)
         self.cached = history[:-1]  # (the newest token is not in the cache yet)
@@ -301,13 +313,15 @@ class Generator:
         tokens decoded after it, as host ints. Each step is queued before the
         token it follows is read, so the GPU never waits for the host between
         steps (the caller may stop early: a step already queued wrote keys past
-        the tokens it keeps, which later steps write again)."""
+        the tokens it keeps, which later steps write again; or send True to
+        make the step queued the last)."""
         # The step's position lives on the device and is advanced there: making
         # it from a host int each step would copy from pageable memory, which
         # waits for the GPU and so starves it for the next step's launch time.
         step_pos = torch.tensor([pos], device=self.device)
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        for i in range(steps + 1):
+        i = 0
+        while i <= steps:
             host = token.to("cpu", non_blocking=True)
             if ready is not None:
                 ready.record()
@@ -320,7 +334,9 @@ class Generator:
                 ready.synchronize()
                 if i == 0:
                     self.first_token_at = time.perf_counter()
-            yield int(host.item())
+            if (yield int(host.item())):  # (sent by the caller: the step queued now is the last)
+                steps = min(steps, i + 1)
+            i += 1
 
     def _constrained(self, prompt_ids, start: int, max_new_tokens: int, settings, stop, constraint, t0):
         """The decode loop under a grammar (constrain.Constraint): _masked_run

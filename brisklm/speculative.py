@@ -325,6 +325,7 @@ class DraftPolicy:
     FIRST_PLAIN_RUN = 8  # plain steps that measure a plain step's cost
     JUDGED_RUN = 16  # plain steps between choices, where the drafter judges its drafts for free
     ONE_OFF = 4  # a first drafting step dearer than this many plain ones is measured again
+    DOUBT = 3  # rejections assumed before any judged draft, where judging is free
 
     def __init__(self, max_k: int, decay: float = 0.85, costs: dict[int, float] | None = None,
                  free_judging: bool = False):
@@ -338,7 +339,8 @@ class DraftPolicy:
         # Drafts kept and drafts judged (the first rejection ends a step's
         # judging), discounted by `decay` a step. The chance that a draft is
         # kept is taken as (kept + 1) / (judged + 1): hopeful while little is
-        # known, the measured fraction once much is.
+        # known, the measured fraction once much is; where judging is free,
+        # kept / (judged + DOUBT): doubtful until the text shows otherwise.
         self.judged = self.kept_count = 0.0
         self.since_probe, self.wait, self.interval = 0, 0, 16  # plain steps since a failed probe; its wait
         self.probing = True  # whether the step chosen last is a probe (the run's first step is)
@@ -346,6 +348,8 @@ class DraftPolicy:
 
     @property
     def kept(self) -> float:
+        if self.free_judging:  # (evidence is free: drafting waits for it, as one failed verify
+            return self.kept_count / (self.judged + self.DOUBT)  # costs a short reply its 3%)
         return (self.kept_count + 1) / (self.judged + 1)
 
     def expected_tokens(self, k: int) -> float:

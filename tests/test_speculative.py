@@ -439,6 +439,35 @@ def test_a_drafter_that_judges_for_free_never_probes_where_drafts_fail_and_draft
     assert policy.choose(room=100) == 4
 
 
+def test_prompt_lookup_drafts_on_evidence_not_on_one_lucky_draft():
+    """A failed verify costs more than a short reply can lose (a verify is
+    2-4 plain steps on a GPU), and judging is free: one kept draft is not
+    enough to draft on; a run of them is."""
+    policy = DraftPolicy(4, costs={0: 1.0, 1: 2.3, 4: 2.5}, free_judging=True)
+    policy.observe(judged=1, kept=1)
+    assert not policy.pays(room=100)
+    policy.observe(judged=8, kept=8)
+    assert policy.pays(room=100)
+
+
+def test_a_plain_run_left_for_drafting_keeps_the_step_it_had_queued():
+    """Generator._judged_run leaves its plain steps once drafting pays, after
+    the step it had queued: that step's token is kept, so every plain step
+    run gives a token, and the output is plain decoding's."""
+    plain, spec = Generator(tiny_model(), 128), Generator(tiny_model(), 128)
+    decode, calls = spec.steps.decode, []
+    spec.steps.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    drafter, drafted = NgramDrafter(), 0
+    for prompt in PROMPTS:
+        calls.clear()
+        want = list(plain.tokens(prompt, 60, GREEDY))
+        assert list(spec.tokens(prompt, 60, GREEDY, drafter=drafter)) == want
+        stats = spec.stats
+        assert len(calls) == stats.target_steps - stats.drafted_steps, (prompt, stats)
+        drafted += stats.drafted_steps
+    assert drafted
+
+
 def test_prompt_lookup_judges_its_drafts_as_proposing_them_would():
     history = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 9]
     # from position 4: no proposal, then 4, 4, 4 kept, 3 and a rejection, 2 and one, 1 and one, one
