@@ -4,6 +4,11 @@ import pytest
 
 GGUF_ENV = "BRISKLM_TEST_GGUF"
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # (before any test imports torch)
+    # The workers share the cores: one thread each, and for their servers,
+    # CLIs and ranks too, or their torch threads wait on each other's.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
