@@ -4,12 +4,14 @@ then one dense matmul), at the Llama-3.1-8B shapes.
 
     PYTHONPATH=. python3 benchmarks/few_rows.py [--tokens 2,5,9,17,35,64]
 
+    PYTHONPATH=. python3 benchmarks/few_rows.py --sweep_halves   # blocks for matmul.HALVES
+
 Each weight is one of several copies used in turn, so that no timed read
 hits in L2. Prints, per format and token count, the microseconds for one
 layer's four matrices and the output layer, and the bytes of codes read per
-second as a fraction of the read ceiling measured in the same run. The
-int4-g128-int8x rows are matmul.int4_int8_matmul (x as int8 on the integer
-tensor cores) at a few blocks, not yet a route of the engine's.
+second as a fraction of the read ceiling measured in the same run. int4
+goes through x's even and odd halves (matmul.HALVES); its -tile rows are the
+same codes through the widened tile's kernel, the path it took before.
 """
 from __future__ import annotations
 
@@ -19,26 +21,41 @@ import torch
 import torch.nn.functional as F
 
 from brisklm.bench import read_ceiling_gb_s
-from brisklm.kernels.matmul import few_rows_matmul, int4_int8_matmul
+from brisklm.kernels import matmul
+from brisklm.kernels.matmul import few_rows_matmul
 from brisklm.quantize import dequantize, quantize_fp8, quantize_int4, quantize_int8
 
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336),
           "output": (128256, 4096)}
 
-
-# int4 g128 with x as int8 on the integer tensor cores (matmul.int4_int8_matmul), by (BLOCK_N, warps)
-INT8X = {f"int4-g128-int8x-{bn}x{warps}": (bn, warps) for bn, warps in ((64, 4), (128, 4), (128, 8))}
+TILE = ("int4-g128-tile", "int4-g32-tile")  # int4 through the widened tile (matmul.HALVES off)
 
 
 def formats(w):
     q8 = quantize_int8(w, 32)
     int4 = quantize_int4(w, 128, torch.bfloat16)
-    return {"int8": quantize_int8(w), "int4-g128": int4, **{f: int4 for f in INT8X},
+    int4_g32 = quantize_int4(w, 32, torch.bfloat16)
+    return {"int8": quantize_int8(w), "int4-g128": int4, "int4-g128-tile": int4, "int4-g32": int4_g32,
+            "int4-g32-tile": int4_g32,
             "q8_0": {"int8": q8["int8"], "scale": q8["scale"].half()}, "fp8": quantize_fp8(w)}
+
+
+def without_halves(call):
+    """call, run with matmul.HALVES empty (int4 through the widened tile's kernel)."""
+    def run(x):
+        saved, matmul.HALVES = matmul.HALVES, ()
+        try:
+            return call(x)
+        finally:
+            matmul.HALVES = saved
+    return run
 
 
 def kernel_and_widened(name, parts):
     """(few-rows call, widen-then-matmul call) for x (M, K) bf16."""
+    if name in TILE:
+        few, widened = kernel_and_widened(name.removesuffix("-tile"), parts)
+        return without_halves(few), widened
     if name.startswith("int4"):
         p, s, z = parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16()
         g = 2 * p.shape[1] // s.shape[1]
@@ -46,9 +63,6 @@ def kernel_and_widened(name, parts):
         def widened(x):
             codes = torch.stack([p >> 4, p & 15], -1).reshape(p.shape[0], -1, g)
             return F.linear(x, ((codes.to(x.dtype) - 8) * s[..., None] + z[..., None]).flatten(1))
-        if name in INT8X:
-            bn, warps = INT8X[name]
-            return (lambda x: int4_int8_matmul(x, p, s, z, block_n=bn, warps=warps)), widened
         return (lambda x: few_rows_matmul(x, p, s, z)), widened
     if name == "q8_0":
         q, s = parts["int8"], parts["scale"]
@@ -78,6 +92,16 @@ def graphed_us(calls, x, reps=24):
     return start.elapsed_time(end) * 1e3 / (3 * reps)
 
 
+def halves_grid():
+    """(BLOCK_N, groups a step, warps, stages, SWAP, programs) candidates for matmul.HALVES."""
+    for swap in (True, False):
+        for block_n in (32, 64, 128):
+            for groups in (1, 2):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        yield block_n, groups, warps, stages, swap, 528
+
+
 def sweep_grid():
     """(BLOCK_N, BLOCK_K, warps, stages, SWAP, programs) candidates for matmul.CONFIG."""
     for swap in (False, True):
@@ -98,15 +122,25 @@ def gemv_call(fmt, parts):
     return lambda x: gemv.scaled_gemv(x, parts["int8"]).sum(0) * parts["scale"]
 
 
-def sweep(m=5, fmts=("bf16", "int8", "int4-g128")):
+def use_config(kind):
+    def use(c):
+        matmul.CONFIG[kind] = c
+    return use
+
+
+def use_halves(c):
+    matmul.HALVES = c
+
+
+def sweep(m=5, fmts=("bf16", "int8", "int4-g128-tile"), halves=False):
     """One 8B layer's matrices and the output layer, M = m rows, per weight kind:
-    every candidate of sweep_grid (the best few printed, and the best per
-    matrix), against cuBLAS (bf16) and one token through the decode GEMV."""
-    from brisklm.kernels import matmul
+    every candidate of its grid (sweep_grid for matmul.CONFIG, the widened
+    tile's kernel; halves_grid for matmul.HALVES) (the best few printed, and
+    the best per matrix), against cuBLAS (bf16) and one token through the decode GEMV."""
     device = torch.device("cuda")
-    kinds = {f: k for f, k in {"bf16": matmul.DENSE, "int8": matmul.ROW_SCALED, "int4-g128": matmul.INT4}.items()
-             if f in fmts}
-    grid = list(sweep_grid())
+    kinds = {f: k for f, k in {"bf16": matmul.DENSE, "int8": matmul.ROW_SCALED, "int4-g128-tile": matmul.INT4,
+                               "int4-g128": "halves"}.items() if f in fmts}
+    grid = list(halves_grid() if halves else sweep_grid())
     best = {}
     for fmt, kind in kinds.items():
         totals = {c: 0.0 for c in grid}
@@ -128,7 +162,7 @@ def sweep(m=5, fmts=("bf16", "int8", "int4-g128")):
                 refs["cublas"] += graphed_us([lambda x, p=p: F.linear(x, p) for p in parts], x)
             refs["gemv (1 token)"] += graphed_us([gemv_call(fmt, p) for p in parts], x1)
             for c in grid:
-                matmul.CONFIG[kind] = c
+                (use_halves if kind == "halves" else use_config(kind))(c)
                 try:
                     t = graphed_us(calls, x)
                 except Exception as e:  # (a block that does not fit the chip's resources)
@@ -146,7 +180,7 @@ def sweep(m=5, fmts=("bf16", "int8", "int4-g128")):
         for name in SHAPES:
             c = min(grid, key=lambda c: per_shape[name, c])
             print(f"  best for {name}: {c} {per_shape[name, c]:.1f} us (chosen: {per_shape[name, ranked[0]]:.1f})")
-        matmul.CONFIG[kind] = ranked[0]
+        (use_halves if kind == "halves" else use_config(kind))(ranked[0])
     print("CONFIG = " + repr({kinds[f]: c for f, c in best.items()}))
 
 
@@ -155,9 +189,13 @@ def main():
     parser.add_argument("--tokens", default="2,5,9,17,35,64")
     parser.add_argument("--sweep", action="store_true", help="time other blocks (matmul.CONFIG) first")
     parser.add_argument("--sweep_only", action="store_true")
+    parser.add_argument("--sweep_halves", action="store_true", help="time blocks for matmul.HALVES first")
+    parser.add_argument("--rows", type=int, default=5, help="the sweeps' tokens")
     opts = parser.parse_args()
+    if opts.sweep_halves:
+        sweep(opts.rows, ("int4-g128",), halves=True)
     if opts.sweep or opts.sweep_only:
-        sweep()
+        sweep(opts.rows)
         if opts.sweep_only:
             return
     device = torch.device("cuda")
@@ -166,7 +204,7 @@ def main():
     tokens = [int(t) for t in opts.tokens.split(",")]
     worst = {}
     rows = []
-    for fmt in ("int8", "int4-g128", *INT8X, "q8_0", "fp8"):
+    for fmt in ("int8", "int4-g128", "int4-g128-tile", "int4-g32", "int4-g32-tile", "q8_0", "fp8"):
         total = {m: [0.0, 0.0] for m in tokens}
         code_bytes = 0
         for name, (n, k) in SHAPES.items():

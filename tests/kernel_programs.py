@@ -103,14 +103,16 @@ def gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes():
 
 
 def few_rows_matmul_matches_fp64_for_every_format(swap):
-    """swap: the weight tile as the dot's first operand, or second."""
+    """swap: the weight tile as the dot's first operand, or second. Every
+    format through the widened tile (int4 goes through x's halves by default:
+    int4_halves_matmul_matches_fp64)."""
     torch.manual_seed(0)
-    config = matmul.CONFIG
-    matmul.CONFIG = {kind: (32, 64, 4, 2, swap, 64) for kind in config}
+    config, halves = matmul.CONFIG, matmul.HALVES
+    matmul.CONFIG, matmul.HALVES = {kind: (32, 64, 4, 2, swap, 64) for kind in config}, ()
     try:
         return _few_rows_cases()
     finally:
-        matmul.CONFIG = config
+        matmul.CONFIG, matmul.HALVES = config, halves
 
 
 def _few_rows_cases():
@@ -145,25 +147,49 @@ def _few_rows_cases():
     return checked
 
 
-def int4_codes_times_int8_rows_match_fp64():
+def int4_halves_matmul_matches_fp64():
+    """int4 codes times x's even and odd columns (matmul._int4_halves_kernel),
+    the weight tile first in the dot and second, against fp64; and the bits
+    that make a code the dot's operand in place of a conversion."""
     torch.manual_seed(0)
-    checked = []
-    # (N, K, tokens, group): a ragged N, groups of 64 and 128, one block of rows and more
-    for n, k, m, g in ((96, 256, 5, 128), (37, 512, 17, 64), (200, 384, 3, 128)):
+    q = torch.arange(16, dtype=torch.int16)
+    assert torch.equal((q | 0x4300).view(torch.bfloat16).double(), 128.0 + q.double())
+    assert torch.equal(((q << 3) | 0x5800).view(torch.float16).double(), 128.0 + q.double())
+    checked, table = [], matmul.HALVES
+    # (N, K, tokens, group): a ragged N, one block of rows and more, two groups a step and one
+    for n, k, m, g in ((96, 256, 5, 32), (37, 512, 17, 128), (200, 384, matmul.FEW_ROWS, 64), (40, 192, 3, 64)):
         w = torch.randn(n, k) * 0.02
-        x = torch.randn(m, k).to(torch.bfloat16)
-        q = quantize_int4(w, g, torch.bfloat16)
-        s, z = q["scale"].bfloat16(), q["zero"].bfloat16()
-        y = matmul.int4_int8_matmul(x, q["int4"], s, z, block_n=32, programs=8)
-        even, odd, scale, sums = matmul.int8_rows(x, g)
-        codes = torch.stack([even, odd], -1).reshape(m, k)
-        assert torch.equal(sums, codes.view(m, -1, g).double().sum(-1).float())
-        wd = dequantize({"int4": q["int4"], "scale": s, "zero": z})[:, :k].double()
-        exact = (codes.double() * scale.double().repeat_interleave(g, 1)) @ wd.t()  # x as the kernel reads it
-        err = relative_error(y.double(), exact)
-        assert err < 1e-6, (n, k, m, g, err)
-        assert relative_error(y.double(), x.double() @ wd.t()) < 1e-2  # (x's int8 rounding: ~6e-3)
+        parts = quantize_int4(w, g, torch.bfloat16)
+        assert matmul.halves_group(parts["int4"], parts["scale"], torch.zeros(1, k, dtype=torch.bfloat16)) == g
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(m, k).to(dtype)
+            scale, zero = parts["scale"].to(dtype), parts["zero"].to(dtype)
+            ref = x.double() @ dequantize({**parts, "scale": scale, "zero": zero}).double().t()
+            for swap in (False, True):
+                matmul.HALVES = (32, 2, 4, 2, swap, 64)
+                try:
+                    y = matmul.few_rows_matmul(x, parts["int4"], scale, zero)
+                finally:
+                    matmul.HALVES = table
+                # (136 xs taken back from the fp32 dot: ~1e-6, where the widened tile gets ~1e-7)
+                assert y.shape == (m, n) and relative_error(y.double(), ref) < 5e-6, (n, k, m, g, dtype, swap)
         checked.append(f"{n}x{k}x{m} g{g}")
+    # Compiled as a CUDA step runs it (the custom op, after a norm that inductor fuses): the same
+    # sums. (x's sums per group made outside the kernel came from x before its rounding to bf16,
+    # 136 times that rounding off: 1.7e-2 here.)
+    n, k, g = 96, 256, 128
+    parts = quantize_int4(torch.randn(n, k) * 0.02, g, torch.bfloat16)
+    args = (torch.randn(5, k).to(torch.bfloat16), parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16())
+
+    def normed_matmul(x, codes, scale, zero):
+        return matmul.few_rows_matmul(F.rms_norm(x * 2, (k,)), codes, scale, zero)
+    traced, matmul._traced = matmul._traced, lambda codes: torch.compiler.is_compiling()
+    try:
+        compiled = torch.compile(normed_matmul)(*args)
+    finally:
+        matmul._traced = traced
+    assert relative_error(compiled, normed_matmul(*args)) < 1e-6
+    checked.append("compiled")
     return checked
 
 
@@ -551,6 +577,8 @@ def custom_ops_fake_implementations_and_schemas():
     cases += [(matmul._few_rows_op, (rows, q4["int4"], scale, zero)),
               (matmul._few_rows_op, (rows, w8, None, None)),
               (matmul._few_rows_op, (rows, q8["int8"], q8["scale"].half(), None))]
+    cases.append((matmul._halves_op, (rows[:, 0::2].contiguous(), rows[:, 1::2].contiguous(), q4["int4"], scale,
+                                      zero)))  # (int4 in groups of 32: x's even and odd columns)
     wf8 = quantize_fp8(w)["fp8"]
     assert gemv.uses_fp8_half(x, wf8)
     for int8, tokens in ((False, 1), (True, 1), (False, 3), (True, 3)):  # (one new token, and a few)

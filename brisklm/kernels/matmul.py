@@ -88,73 +88,54 @@ if triton is not None:
 
 
     @triton.jit
-    def _int4_int8_kernel(xe_ptr, xo_ptr, xs_ptr, xsum_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K,
-                          GROUPS_PER_SPLIT, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """int4 codes times int8 rows of x on the integer tensor cores, a group
-        at a time: sum_k x_k w_k over a group = xs (s (sum_k xq_k q_k - 8
-        sum_k xq_k) + z sum_k xq_k), with x = xs xq (a scale per row and group)
-        and w = (q - 8) s + z. The codes go to the dot as they are, unpacked
-        to int8 (the high nibbles hold x's even columns, the low ones its
-        odd: xe and xo); only the per-group sums are scaled in fp32."""
+    def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+                            GROUP: tl.constexpr, ONE: tl.constexpr, SHIFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
+        """int4 codes (N, K/2) times x (M, K) given as its even and odd columns
+        (xe, xo: (M, K/2)): the high nibbles (even k) meet xe, the low ones
+        xo, each a dot of its own, with no widening or reordering of the tile. A code q enters the dot as 128 + q in x's
+        dtype, exact, whose bits are those of 128 (ONE) with q in the low
+        mantissa bits (shifted by SHIFT: 0 in bf16, 3 in fp16): an OR, no
+        conversion. w = (q - 8) s + z, so a group's sum is s (d - 136 xs) + z
+        xs, d the group's dot and xs its sum of x, taken here from the same
+        loaded values (a sum made elsewhere, from x before its rounding to
+        x's dtype, is off by 136 times that rounding)."""
+        HALF: tl.constexpr = GROUP // 2
+        OFFSET: tl.constexpr = 128.0
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
-        groups = K // GROUP
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        g_first = split * GROUPS_PER_SPLIT
-        for g in range(g_first, g_first + GROUPS_PER_SPLIT):
-            half = g * (GROUP // 2) + tl.arange(0, GROUP // 2)
-            pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :], mask=col_ok[:, None], other=0,
-                            eviction_policy="evict_first")
-            xe = tl.load(xe_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0)
-            xo = tl.load(xo_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0)
-            dots = tl.dot(xe, tl.trans((pairs >> 4).to(tl.int8)), out_dtype=tl.int32)
-            dots = tl.dot(xo, tl.trans((pairs & 15).to(tl.int8)), dots, out_dtype=tl.int32)
-            scale = tl.load(s_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-            x_scale = tl.load(xs_ptr + rows * groups + g, mask=row_ok, other=0.0)
-            x_sum = tl.load(xsum_ptr + rows * groups + g, mask=row_ok, other=0.0)
-            sums = scale[None, :] * (dots.to(tl.float32) - 8.0 * x_sum[:, None]) + zero[None, :] * x_sum[:, None]
-            acc += x_scale[:, None] * sums
-        out = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
-
-
-def int8_rows(x: torch.Tensor, group: int):
-    """x (M, K) as int8 codes with a scale per row and group of `group`
-    inputs: (even columns, odd columns) (M, K/2) int8, the scales and the
-    codes' sums (M, K/group) fp32."""
-    m, k = x.shape
-    xg = x.float().view(m, k // group, group)
-    scale = xg.abs().amax(-1).clamp_min(1e-8) / 127
-    codes = torch.round(xg / scale[..., None])
-    sums = codes.sum(-1)
-    codes = codes.to(torch.int8).view(m, k)
-    return codes[:, 0::2].contiguous(), codes[:, 1::2].contiguous(), scale, sums
-
-
-def int4_int8_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                     block_m: int = 16, block_n: int = 64, programs: int = 528, warps: int = 4,
-                     stages: int = 3) -> torch.Tensor:
-    """(M, N) fp32: x (M, K) times int4 codes (N, K/2) with scale and zero (N,
-    K/G), x quantized to int8 per row and group (int8_rows), on the integer
-    tensor cores (_int4_int8_kernel; groups of 64 inputs or more)."""
-    m, k = x.shape
-    n, groups = packed.shape[0], scale.shape[1]
-    group = k // groups
-    if 2 * packed.shape[1] != k or group < 64:
-        raise ValueError(f"int4 codes of {2 * packed.shape[1]} inputs in groups of {group} for x of {k}")
-    xe, xo, xs, xsum = int8_rows(x, group)
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = max(1, min(groups // 2, programs // tiles))
-    while groups % split:
-        split -= 1
-    out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
-    _int4_int8_kernel[grid](xe, xo, xs, xsum, packed, scale, zero, out, m, n, k, groups // split,
-                            GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    return out.sum(0)
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_first = split * K_PER_SPLIT
+        for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // GROUP):
+                g = k0 // GROUP + j
+                half = g * HALF + tl.arange(0, HALF)
+                pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :], mask=col_ok[:, None], other=0,
+                                eviction_policy="evict_first")
+                xe = tl.load(xe_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
+                xo = tl.load(xo_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
+                xs = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
+                if INTERPRET:  # (no bf16 dot there: the same numbers in fp32)
+                    hi, lo = (pairs >> 4).to(tl.float32) + OFFSET, (pairs & 15).to(tl.float32) + OFFSET
+                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+                else:
+                    hi = (((pairs >> 4) << SHIFT).to(tl.int16) | ONE).to(xe.dtype, bitcast=True)
+                    lo = (((pairs & 15) << SHIFT).to(tl.int16) | ONE).to(xe.dtype, bitcast=True)
+                s = tl.load(s_ptr + cols * (K // GROUP) + g, mask=col_ok, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + cols * (K // GROUP) + g, mask=col_ok, other=0.0).to(tl.float32)
+                if SWAP:
+                    d = tl.dot(lo, tl.trans(xo), tl.dot(hi, tl.trans(xe)))
+                    acc += s[:, None] * (d - (OFFSET + 8.0) * xs[None, :]) + z[:, None] * xs[None, :]
+                else:
+                    d = tl.dot(xo, tl.trans(lo), tl.dot(xe, tl.trans(hi)))
+                    acc += (d - (OFFSET + 8.0) * xs[:, None]) * s[None, :] + xs[:, None] * z[None, :]
+        out = out_ptr + split * M * N
+        if SWAP:
+            tl.store(out + rows[None, :] * N + cols[:, None], acc, mask=row_ok[None, :] & col_ok[:, None])
+        else:
+            tl.store(out + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -169,6 +150,10 @@ def supported(x: torch.Tensor) -> bool:
 # weights to cuBLAS. Q8_0's scale per 32 inputs was not swept.
 CONFIG = {ROW_SCALED: (64, 128, 4, 3, True, 528), GROUPED_INT8: (64, 128, 4, 3, False, 264),
           INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, False, 264)}
+
+# int4 through _int4_halves_kernel: (BLOCK_N, groups a step, warps, stages, SWAP, programs
+# wanted); BLOCK_M as blocks(). Empty: int4 through _few_rows_kernel's widened tile.
+HALVES = (64, 2, 4, 3, True, 528)
 
 
 def blocks(kind: int, m: int, n: int, k: int, group: int | None) -> tuple[int, ...]:
@@ -193,10 +178,74 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     or fp8 with no scale (the caller's per-row scale), int8 with a scale (N,
     K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
     weights (N, K) in x's dtype."""
-    if codes.is_cuda and not interpreted() and torch.compiler.is_compiling():  # (outside a trace, the
-        return _few_rows_op(x, codes, scale, zero).sum(0)  # op's call would only import the compiler)
+    group = halves_group(codes, scale, x)
+    if group:
+        return _halves_matmul(x, codes, scale, zero, group)
+    if _traced(codes):
+        return _few_rows_op(x, codes, scale, zero).sum(0)
     partial = _launch(x, codes, scale, zero)  # (the sum outside the op: a compiled step fuses it)
     return partial[0] if len(partial) == 1 else partial.sum(0)
+
+
+def _traced(codes) -> bool:
+    """Whether to call the custom op (the compiler traces), not launch directly
+    (outside a trace, the op's call would only import the compiler)."""
+    return codes.is_cuda and not interpreted() and torch.compiler.is_compiling()
+
+
+def halves_group(codes: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> int | None:
+    """The group of int4 codes read by _int4_halves_kernel (HALVES), else None:
+    groups of 32 or more (half a group is the dot's depth, at least 16), a
+    bf16 or fp16 x."""
+    if codes.dtype != torch.uint8 or not HALVES or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    group = x.shape[1] // scale.shape[1]
+    return group if group >= 32 else None
+
+
+def _halves_matmul(x, codes, scale, zero, group):
+    xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # (in a compiled step: made with x)
+    partial = _halves_op(xe, xo, codes, scale, zero) if _traced(codes) else _launch_halves(xe, xo, codes, scale, zero)
+    return partial[0] if len(partial) == 1 else partial.sum(0)
+
+
+def halves_blocks(m: int, n: int, k: int, group: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP), as blocks()."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, groups, warps, stages, swap, programs = HALVES
+    block_k = group * groups
+    while k % block_k:
+        block_k -= group
+    steps = k // block_k
+    tiles = -(-n // block_n) * -(-m // block_m)
+    split = max(1, min(steps // 2, programs // tiles))
+    while steps % split:
+        split -= 1
+    return block_m, block_n, block_k, split, warps, stages, swap
+
+
+def _halves_shape(xe, codes, scale):
+    """(K, group, the empty partial sums (SPLIT_K, M, N), halves_blocks())."""
+    (m, k), n = (xe.shape[0], 2 * xe.shape[1]), codes.shape[0]
+    group = k // scale.shape[1]
+    chosen = halves_blocks(m, n, k, group)
+    return k, group, xe.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
+
+
+def _launch_halves(xe, xo, codes, scale, zero):
+    """The split-K partial sums (SPLIT_K, M, N) in fp32."""
+    k, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _halves_shape(xe, codes, scale)
+    m, n = xe.shape[0], codes.shape[0]
+    if k != 2 * codes.shape[1]:
+        raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
+    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    # (contiguous: the compiler may hand a custom op other strides than eager code has)
+    _int4_halves_kernel[grid](xe.contiguous(), xo.contiguous(), codes, scale, zero, out, m, n, k, k // split,
+                              GROUP=group, ONE=0x4300 if xe.dtype == torch.bfloat16 else 0x5800,
+                              SHIFT=0 if xe.dtype == torch.bfloat16 else 3, BLOCK_M=block_m,
+                              BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(),
+                              num_warps=warps, num_stages=stages)
+    return out
 
 
 def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
@@ -237,3 +286,9 @@ if triton is not None:  # opaque to the compiler, which would otherwise widen th
                                            schema="(Tensor x, Tensor codes, Tensor? scale, Tensor? zero) -> Tensor")
 
     _few_rows_op.register_fake(lambda x, codes, scale, zero: _launch_shape(x, codes, scale)[2])
+
+    _halves_op = torch.library.custom_op(
+        "brisklm::int4_halves_matmul", _launch_halves, mutates_args=(),
+        schema="(Tensor xe, Tensor xo, Tensor codes, Tensor scale, Tensor zero) -> Tensor")
+
+    _halves_op.register_fake(lambda xe, xo, codes, scale, zero: _halves_shape(xe, codes, scale)[2])
