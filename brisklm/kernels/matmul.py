@@ -10,6 +10,11 @@ codes, widens it in registers and multiplies it with the rows of x on the
 tensor cores (tl.dot), accumulating in fp32; the slices of K (SPLIT_K) give
 the GPU enough programs when N is small, and are summed by the caller. SWAP
 puts the weight tile first in the dot and x second (the int8 kernel's choice).
+int4 codes skip the conversion to floats (_int4_halves_kernel, HALVES): the high
+nibbles meet x's even columns and the low ones its odd columns in two dots,
+each code made the dot's operand by one OR of its bits, the group's scale
+and zero applied to the dot's sums (on an H100, 0.86x the widened tile's
+time at 2-9 rows, 0.65x at 17).
 
 Formats (quantize.py): int8 or fp8 (N, K) codes whose per-row scale the
 caller applies; int8 with a scale per group (GGUF Q8_0); int4 (N, K/2) with
