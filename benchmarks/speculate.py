@@ -8,8 +8,8 @@ Eight chat-rendered prompts of four kinds (two each): edit given code, copy
 or extract from a given text, summarize a given text, open chat. Each is run
 greedy and sampled (temperature 0.7, top-p 0.9, seeded), for each length in
 --tokens, plainly and with each drafter: one warm-up run, then the median of
---runs. The table's last column is the goal of the speculation issue: no
-row slower than 0.97x plain.
+--runs, the variants interleaved (each first in turn). The table's last
+column is the goal of the speculation issue: no row slower than 0.97x plain.
 """
 from __future__ import annotations
 
@@ -124,22 +124,24 @@ def main():
         ids = llm.chat_ids([{"role": "user", "content": message}])
         for sampling, settings in SAMPLINGS.items():
             for tokens in map(int, opts.tokens.split(",")):
-                plain = None
-                for variant, d in variants.items():
-                    rates, steps = [], []
-                    for run in range(opts.runs + 1):  # (the first: warm-up)
-                        gen.reset()
-                        out = list(gen.tokens(ids, tokens, SamplingParams(**settings), llm.tokenizer.eos_ids,
-                                              seed=run, drafter=d, draft_tokens=opts.draft_tokens))
+                rates, steps, outs = ({v: [] for v in variants} for _ in range(3))
+                order = list(variants)
+                for run in range(opts.runs + 1):  # (the first: warm-up)
+                    for variant in order[run % len(order):] + order[:run % len(order)]:  # (interleaved, each
+                        gen.reset()  # first in turn: a machine's drift moves every variant alike)
+                        outs[variant] = list(gen.tokens(ids, tokens, SamplingParams(**settings), llm.tokenizer.eos_ids,
+                                                        seed=run, drafter=variants[variant],
+                                                        draft_tokens=opts.draft_tokens))
                         if run:
-                            rates.append(gen.stats.decode_tokens_per_s)
-                            steps.append(gen.stats.tokens_per_step or 1.0)
-                    rate = statistics.median(rates)
-                    plain = plain or (rate, out)
+                            rates[variant].append(gen.stats.decode_tokens_per_s)
+                            steps[variant].append(gen.stats.tokens_per_step or 1.0)
+                plain = statistics.median(rates["plain"])
+                for variant in variants:
+                    rate, out = statistics.median(rates[variant]), outs[variant]
                     rows.append(dict(kind=kind, prompt=name, sampling=sampling, tokens=tokens, decoding=variant,
                                      prompt_tokens=len(ids), new_tokens=len(out), tokens_per_s=rate,
-                                     ratio=rate / plain[0], tokens_per_step=statistics.median(steps),
-                                     same=out == plain[1] if sampling == "greedy" else None))
+                                     ratio=rate / plain, tokens_per_step=statistics.median(steps[variant]),
+                                     same=out == outs["plain"] if sampling == "greedy" else None))
     print(f"\nSmolLM2 on {gen.device}, {llm.model.dtype}, {opts.draft_tokens} drafts a step at most, "
           f"median of {opts.runs} after a warm-up")
     print("| kind | prompt | sampling | new tokens | decoding | tok/s | vs plain | tokens a target step "
