@@ -9,9 +9,10 @@ then one dense matmul), at the Llama-3.1-8B shapes.
 Each weight is one of several copies used in turn, so that no timed read
 hits in L2. Prints, per format and token count, the microseconds for one
 layer's four matrices and the output layer, and the bytes of codes read per
-second as a fraction of the read ceiling measured in the same run. int4
-goes through x's even and odd halves (matmul.HALVES); its -tile rows are the
-same codes through the widened tile's kernel, the path it took before.
+second as a fraction of the read ceiling measured in the same run. int4 in
+groups of 64 or more goes through x's even and odd halves (matmul.HALVES),
+in groups of 32 through the widened tile; the rows int4-g128-tile and
+int4-g32-halves are the same codes through the other kernel.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from brisklm.quantize import dequantize, quantize_fp8, quantize_int4, quantize_i
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336),
           "output": (128256, 4096)}
 
-TILE = ("int4-g128-tile", "int4-g32-tile")  # int4 through the widened tile (matmul.HALVES off)
+# int4 by the other kernel than its default: g128 through the widened tile, g32 through the halves
+OTHER = {"int4-g128-tile": ((), 64), "int4-g32-halves": (None, 32)}  # (matmul.HALVES, MIN_HALVES_GROUP)
 
 
 def formats(w):
@@ -36,26 +38,29 @@ def formats(w):
     int4 = quantize_int4(w, 128, torch.bfloat16)
     int4_g32 = quantize_int4(w, 32, torch.bfloat16)
     return {"int8": quantize_int8(w), "int4-g128": int4, "int4-g128-tile": int4, "int4-g32": int4_g32,
-            "int4-g32-tile": int4_g32,
+            "int4-g32-halves": int4_g32,
             "q8_0": {"int8": q8["int8"], "scale": q8["scale"].half()}, "fp8": quantize_fp8(w)}
 
 
-def without_halves(call):
-    """call, run with matmul.HALVES empty (int4 through the widened tile's kernel)."""
+def with_halves(call, halves, smallest):
+    """call, run with matmul.HALVES = halves (None: as it is; (): int4 through the
+    widened tile) and matmul.MIN_HALVES_GROUP = smallest."""
     def run(x):
-        saved, matmul.HALVES = matmul.HALVES, ()
+        saved = matmul.HALVES, matmul.MIN_HALVES_GROUP
+        matmul.HALVES = saved[0] if halves is None else halves
+        matmul.MIN_HALVES_GROUP = smallest
         try:
             return call(x)
         finally:
-            matmul.HALVES = saved
+            matmul.HALVES, matmul.MIN_HALVES_GROUP = saved
     return run
 
 
 def kernel_and_widened(name, parts):
     """(few-rows call, widen-then-matmul call) for x (M, K) bf16."""
-    if name in TILE:
-        few, widened = kernel_and_widened(name.removesuffix("-tile"), parts)
-        return without_halves(few), widened
+    if name in OTHER:
+        few, widened = kernel_and_widened(name.rsplit("-", 1)[0], parts)
+        return with_halves(few, *OTHER[name]), widened
     if name.startswith("int4"):
         p, s, z = parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16()
         g = 2 * p.shape[1] // s.shape[1]
@@ -204,7 +209,7 @@ def main():
     tokens = [int(t) for t in opts.tokens.split(",")]
     worst = {}
     rows = []
-    for fmt in ("int8", "int4-g128", "int4-g128-tile", "int4-g32", "int4-g32-tile", "q8_0", "fp8"):
+    for fmt in ("int8", "int4-g128", "int4-g128-tile", "int4-g32", "int4-g32-halves", "q8_0", "fp8"):
         total = {m: [0.0, 0.0] for m in tokens}
         code_bytes = 0
         for name, (n, k) in SHAPES.items():

@@ -10,11 +10,11 @@ codes, widens it in registers and multiplies it with the rows of x on the
 tensor cores (tl.dot), accumulating in fp32; the slices of K (SPLIT_K) give
 the GPU enough programs when N is small, and are summed by the caller. SWAP
 puts the weight tile first in the dot and x second (the int8 kernel's choice).
-int4 codes skip the conversion to floats (_int4_halves_kernel, HALVES): the high
-nibbles meet x's even columns and the low ones its odd columns in two dots,
-each code made the dot's operand by one OR of its bits, the group's scale
-and zero applied to the dot's sums (on an H100, 0.86x the widened tile's
-time at 2-9 rows, 0.65x at 17).
+int4 codes in groups of 64 or more skip the conversion to floats
+(_int4_halves_kernel, HALVES): the high nibbles meet x's even columns and
+the low ones its odd columns in two dots, each code made the dot's operand
+by one OR of its bits, the group's scale and zero applied to the dot's sums
+(on an H100, 0.86x the widened tile's time at 2-9 rows, 0.65x at 17).
 
 Formats (quantize.py): int8 or fp8 (N, K) codes whose per-row scale the
 caller applies; int8 with a scale per group (GGUF Q8_0); int4 (N, K/2) with
@@ -159,6 +159,7 @@ CONFIG = {ROW_SCALED: (64, 128, 4, 3, True, 528), GROUPED_INT8: (64, 128, 4, 3, 
 # int4 through _int4_halves_kernel: (BLOCK_N, groups a step, warps, stages, SWAP, programs
 # wanted); BLOCK_M as blocks(). Empty: int4 through _few_rows_kernel's widened tile.
 HALVES = (64, 2, 4, 3, True, 528)
+MIN_HALVES_GROUP = 64
 
 
 def blocks(kind: int, m: int, n: int, k: int, group: int | None) -> tuple[int, ...]:
@@ -200,12 +201,15 @@ def _traced(codes) -> bool:
 
 def halves_group(codes: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> int | None:
     """The group of int4 codes read by _int4_halves_kernel (HALVES), else None:
-    groups of 32 or more (half a group is the dot's depth, at least 16), a
-    bf16 or fp16 x."""
+    groups of 64 or more (at 32, GGUF's Q4_0 and Q4_1, the halves measured
+    only 4% faster at the 8B shapes, too little for the copy of x's halves
+    that a compiled step makes in a kernel of its own after the attention
+    kernel), a bf16 or fp16 x. (The kernel reads groups of 32 too: half a
+    group is the dot's depth, at least 16.)"""
     if codes.dtype != torch.uint8 or not HALVES or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     group = x.shape[1] // scale.shape[1]
-    return group if group >= 32 else None
+    return group if group >= MIN_HALVES_GROUP else None
 
 
 def _halves_matmul(x, codes, scale, zero, group):
