@@ -94,17 +94,19 @@ if triton is not None:
 
     @triton.jit
     def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT,
-                            GROUP: tl.constexpr, ONE: tl.constexpr, SHIFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, SWAP: tl.constexpr, INTERPRET: tl.constexpr):
+                            GROUP: tl.constexpr, ONE: tl.constexpr, SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                            INTERPRET: tl.constexpr):
         """int4 codes (N, K/2) times x (M, K) given as its even and odd columns
         (xe, xo: (M, K/2)): the high nibbles (even k) meet xe, the low ones
-        xo, each a dot of its own, with no widening or reordering of the tile. A code q enters the dot as 128 + q in x's
-        dtype, exact, whose bits are those of 128 (ONE) with q in the low
-        mantissa bits (shifted by SHIFT: 0 in bf16, 3 in fp16): an OR, no
-        conversion. w = (q - 8) s + z, so a group's sum is s (d - 136 xs) + z
-        xs, d the group's dot and xs its sum of x, taken here from the same
-        loaded values (a sum made elsewhere, from x before its rounding to
-        x's dtype, is off by 136 times that rounding)."""
+        xo, each a dot of its own, with no widening or reordering of the
+        tile. A code q enters the dot as 128 + q in x's dtype, exact, whose
+        bits are those of 128 (ONE) with q in the low mantissa bits (shifted
+        by SHIFT: 0 in bf16, 3 in fp16): an OR, no conversion. w = (q - 8) s
+        + z, so a group's sum is s (d - 136 xs) + z xs, d the group's dot and
+        xs its sum of x, taken here from the same loaded values (a sum made
+        elsewhere, from x before its rounding to x's dtype, is off by 136
+        times that rounding)."""
         HALF: tl.constexpr = GROUP // 2
         OFFSET: tl.constexpr = 128.0
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -165,17 +167,24 @@ MIN_HALVES_GROUP = 64
 def blocks(kind: int, m: int, n: int, k: int, group: int | None) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP): about
     `programs` programs, splitting K where the tiles of N alone give too few."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k, warps, stages, swap, programs = CONFIG[kind]
     block_k = block_k if group is None else min(block_k, max(group, 32))
     while k % block_k and block_k > 32:
         block_k //= 2
-    steps = -(-k // block_k)
+    block_m, split = rows_and_split(m, n, -(-k // block_k), block_n, programs)
+    return block_m, block_n, block_k, split, warps, stages, swap
+
+
+def rows_and_split(m: int, n: int, steps: int, block_n: int, programs: int) -> tuple[int, int]:
+    """(BLOCK_M, SPLIT_K) for M rows, N outputs and K in `steps` blocks: the
+    rows rounded up to 16, and K split into a divisor of its steps so that
+    the tiles give about `programs` programs."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     tiles = -(-n // block_n) * -(-m // block_m)
     split = max(1, min(steps // 2, programs // tiles))
     while steps % split:
         split -= 1
-    return block_m, block_n, block_k, split, warps, stages, swap
+    return block_m, split
 
 
 def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None = None,
@@ -184,13 +193,12 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     or fp8 with no scale (the caller's per-row scale), int8 with a scale (N,
     K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
     weights (N, K) in x's dtype."""
-    group = halves_group(codes, scale, x)
-    if group:
-        return _halves_matmul(x, codes, scale, zero, group)
-    if _traced(codes):
-        return _few_rows_op(x, codes, scale, zero).sum(0)
-    partial = _launch(x, codes, scale, zero)  # (the sum outside the op: a compiled step fuses it)
-    return partial[0] if len(partial) == 1 else partial.sum(0)
+    if halves_group(codes, scale, x):
+        xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # (in a compiled step: made with x)
+        partial = (_halves_op if _traced(codes) else _launch_halves)(xe, xo, codes, scale, zero)
+    else:
+        partial = (_few_rows_op if _traced(codes) else _launch)(x, codes, scale, zero)
+    return partial[0] if len(partial) == 1 else partial.sum(0)  # (outside the op: a compiled step fuses it)
 
 
 def _traced(codes) -> bool:
@@ -212,24 +220,13 @@ def halves_group(codes: torch.Tensor, scale: torch.Tensor | None, x: torch.Tenso
     return group if group >= MIN_HALVES_GROUP else None
 
 
-def _halves_matmul(x, codes, scale, zero, group):
-    xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # (in a compiled step: made with x)
-    partial = _halves_op(xe, xo, codes, scale, zero) if _traced(codes) else _launch_halves(xe, xo, codes, scale, zero)
-    return partial[0] if len(partial) == 1 else partial.sum(0)
-
-
 def halves_blocks(m: int, n: int, k: int, group: int) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP), as blocks()."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, groups, warps, stages, swap, programs = HALVES
     block_k = group * groups
     while k % block_k:
         block_k -= group
-    steps = k // block_k
-    tiles = -(-n // block_n) * -(-m // block_m)
-    split = max(1, min(steps // 2, programs // tiles))
-    while steps % split:
-        split -= 1
+    block_m, split = rows_and_split(m, n, k // block_k, block_n, programs)
     return block_m, block_n, block_k, split, warps, stages, swap
 
 
