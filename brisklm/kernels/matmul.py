@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import interpreted
-from .gemv import available, triton
+from .gemv import available, early_launch, triton
 
 FEW_ROWS = 64  # up to this many tokens, a quantized Linear on a GPU uses these kernels
 
@@ -36,13 +36,16 @@ ROW_SCALED, GROUPED_INT8, INT4, DENSE = 0, 1, 2, 3
 if triton is not None:
     import triton.language as tl
 
+    from .gemv import _await_inputs
+
     _ROW_SCALED, _INT4, _DENSE = tl.constexpr(ROW_SCALED), tl.constexpr(INT4), tl.constexpr(DENSE)
 
     @triton.jit
     def _few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT,
                          KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        _await_inputs(PDL)
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,7 +99,7 @@ if triton is not None:
     def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT,
                             GROUP: tl.constexpr, ONE: tl.constexpr, SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            INTERPRET: tl.constexpr, PDL: tl.constexpr):
         """int4 codes (N, K/2) times x (M, K) given as its even and odd columns
         (xe, xo: (M, K/2)): the high nibbles (even k) meet xe, the low ones
         xo, each a dot of its own, with no widening or reordering of the
@@ -109,6 +112,7 @@ if triton is not None:
         times that rounding)."""
         HALF: tl.constexpr = GROUP // 2
         OFFSET: tl.constexpr = 128.0
+        _await_inputs(PDL)
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -245,12 +249,13 @@ def _launch_halves(xe, xo, codes, scale, zero):
     if k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    pdl = early_launch(xe.device)  # (launched while the kernel before finishes, as the GEMVs are)
     # (contiguous: the compiler may hand a custom op other strides than eager code has)
     _int4_halves_kernel[grid](xe.contiguous(), xo.contiguous(), codes, scale, zero, out, m, n, k, k // split,
                               GROUP=group, ONE=0x4300 if xe.dtype == torch.bfloat16 else 0x5800,
                               SHIFT=0 if xe.dtype == torch.bfloat16 else 3, BLOCK_M=block_m,
                               BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(),
-                              num_warps=warps, num_stages=stages)
+                              PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
 
 
@@ -281,9 +286,11 @@ def _launch(x, codes, scale, zero):
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
     k_per_split = -(-k // block_k) // split * block_k
     absent = codes if scale is None else scale  # (pointers the kernel's format does not read)
+    pdl = early_launch(x.device)  # (launched while the kernel before finishes, as the GEMVs are)
     _few_rows_kernel[grid](x.contiguous(), codes, absent, absent if zero is None else zero, out, m, n, k,
                            k_per_split, KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(), num_warps=warps, num_stages=stages)
+                           BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(), PDL=pdl, num_warps=warps,
+                           num_stages=stages, launch_pdl=pdl)
     return out
 
 
