@@ -6,8 +6,8 @@ only place a kernel route is chosen:
 
 - every Linear becomes a FusedLinear: one token goes through a batch-1 GEMV
   (kernels/gemv.py) that reads the weight in its stored format, 2..FEW_ROWS
-  tokens of a quantized weight through kernels/matmul.py, and anything else
-  through the format's own forward; each format's kernels are its Route,
+  tokens of a quantized weight (2..DENSE_ROWS of a dense one) through
+  kernels/matmul.py, and anything else through the format's own forward; each format's kernels are its Route,
   registered in ROUTES (a new format registers one, or runs its own forward);
 - the RMSNorm before wqkv, w13 and the output layer moves into that Linear
   (the model's norm becomes a pass-through), where the bf16 and int4 GEMVs
@@ -71,6 +71,7 @@ class Route:
         return None
 
 
+DENSE_ROWS = 16  # up to this many tokens, a dense Linear on a GPU uses kernels/matmul.py (one row tile)
 ROUTES: dict[type, Route] = {}  # each weight format's, registered below
 
 
@@ -98,7 +99,17 @@ class DenseRoute(Route):
     def one_token(self, w, x, norm):  # only where ours measured faster than cuBLAS (bf16, fp16 weights)
         if x.is_cuda and w.weight.element_size() == 2 and gemv.beats_dense(w.out_features, w.in_features):
             return gemv.scaled_gemv(x, w.weight, norm).sum(0)
-        return None  # (a few rows: cuBLAS, faster than our kernel on an H200)
+        return None
+
+    def few_rows(self, w, x):
+        """A verify step's rows (up to DENSE_ROWS) through our kernel, which
+        starts while the kernel before it finishes as the GEMVs do; cuBLAS's
+        do not: in an H100's compiled verify step ours made the 5-row forward
+        0.72x as long for SmolLM2 and 0.95x for the 8B (RESULTS.md). More rows
+        (prefill chunks): cuBLAS."""
+        if x.shape[0] <= DENSE_ROWS and w.weight.dtype == x.dtype:
+            return matmul.few_rows_matmul(x, w.weight)
+        return None
 
     def expert(self, w, part, x, e):
         y = gemv.expert_gemv(x, part["weight"], e)

@@ -95,8 +95,8 @@ def test_int4_halves_matmul_matches_fp64(interpreted):
 
 @pytest.mark.slow
 def test_quantized_model_through_the_kernels_matches_its_dequantized_weights(interpreted):
-    assert interpreted == ["float32 int8", "float32 fp8", "float32 int4", "bfloat16 int8", "bfloat16 fp8",
-                           "bfloat16 int4", "moe int8", "moe int4", "in place int8", "every expert int8",
+    assert interpreted == ["float32 none", "float32 int8", "float32 fp8", "float32 int4", "bfloat16 none",
+                           "bfloat16 int8", "bfloat16 fp8", "bfloat16 int4", "moe int8", "moe int4", "in place int8", "every expert int8",
                            "in place int4", "every expert int4", "in place q8_0", "every expert q8_0",
                            "in place bf16", "every expert bf16"]
 

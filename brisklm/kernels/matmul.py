@@ -157,8 +157,9 @@ def supported(x: torch.Tensor) -> bool:
 
 # Per weight kind: (BLOCK_N, BLOCK_K at most, warps, stages, SWAP, programs wanted); BLOCK_M is
 # the rows rounded up to 16. The fastest of a sweep on an H200 at 5 rows over the 8B shapes
-# (benchmarks/few_rows.py --sweep); dense bf16 lost to cuBLAS there, so fusion.py leaves dense
-# weights to cuBLAS. Q8_0's scale per 32 inputs was not swept.
+# (benchmarks/few_rows.py --sweep). Dense bf16 lost to cuBLAS there as a kernel alone, but won in
+# the compiled verify step, where ours launches early (fusion.DENSE_ROWS). Q8_0's scale per 32
+# inputs was not swept.
 CONFIG = {ROW_SCALED: (64, 128, 4, 3, True, 528), GROUPED_INT8: (64, 128, 4, 3, False, 264),
           INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, False, 264)}
 
