@@ -27,7 +27,15 @@ from .tokenizer import Tokenizer
 SPECULATE = ("ngram", "self", "draft")
 
 
-def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_layers: int | None):
+def default_draft_tokens(speculate: str | None) -> int:
+    """Drafts a verify step checks at most, where the user names none: 8 for
+    prompt lookup (its drafts cost nothing to make, and on a GPU a verify of
+    9 rows cost about what one of 5 did: RESULTS.md), 4 for a drafting model
+    (each draft is a step of it)."""
+    return 8 if speculate == "ngram" else 4
+
+
+def drafter(model: Transformer, speculate: str | None, draft_tokens: int | None, draft_layers: int | None):
     """The drafter for speculate ("ngram": prompt lookup; "self": the model's
     first draft_layers layers, by default a quarter of them), or None."""
     from .speculative import ModelDrafter, NgramDrafter
@@ -35,7 +43,7 @@ def drafter(model: Transformer, speculate: str | None, draft_tokens: int, draft_
         return None
     if speculate not in SPECULATE:
         raise BriskError(f"unknown speculate {speculate!r} (choose from {', '.join(SPECULATE)})")
-    if not 1 <= draft_tokens <= 16:
+    if draft_tokens is not None and not 1 <= draft_tokens <= 16:
         raise BriskError(f"draft_tokens must be 1..16, got {draft_tokens}")
     layers = model.args.num_hidden_layers
     if speculate == "ngram":
@@ -75,10 +83,11 @@ class LLM:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, *, max_seq_length=None,
                  compile=False, compile_prefill=False, compile_options=None, name="model", kv_int8=False,
-                 allow_long_context=False, quiet=True, speculate=None, draft_tokens=4, draft_layers=None):
+                 allow_long_context=False, quiet=True, speculate=None, draft_tokens=None, draft_layers=None):
         self.model = model
         self.quiet = quiet
-        self.drafter, self.draft_tokens = drafter(model, speculate, draft_tokens, draft_layers), draft_tokens
+        self.drafter = drafter(model, speculate, draft_tokens, draft_layers)
+        self.draft_tokens = draft_tokens or default_draft_tokens(speculate)
         self.tokenizer = tokenizer
         self.name = name
         self.context = supported_context(model.args)

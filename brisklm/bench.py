@@ -141,10 +141,11 @@ def speculative_figures(llm, kind: str, draft_tokens: int, draft_layers, new_tok
     the drafter of the draft model load() made), in this process, the
     acceptance (tokens per target step), and whether both outputs are the
     same tokens (they must be)."""
-    from .api import drafter
+    from .api import default_draft_tokens, drafter
     from .console import log
     from .sampling import SamplingParams
     ids, what = speculative_prompt(llm)
+    draft_tokens = draft_tokens or default_draft_tokens(kind)
     if not llm.fits(ids, new_tokens):
         log(f"  skipped: the {len(ids)}-token prompt and {new_tokens} new tokens exceed the KV cache")
         return None
@@ -352,7 +353,7 @@ def run(opts) -> dict:
     if device.type == "cuda":
         result["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     if getattr(opts, "speculate", None):
-        log(f"Speculative decoding ({opts.speculate}, {opts.draft_tokens} drafts a step) against plain, greedy...")
+        log(f"Speculative decoding ({opts.speculate}) against plain, greedy...")
         result["speculative"] = speculative_figures(llm, opts.speculate, opts.draft_tokens, opts.draft_layers,
                                                     opts.new_tokens, max(1, opts.samples // 2), draft_model)
     if opts.startup:

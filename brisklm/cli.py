@@ -67,7 +67,8 @@ def _speculate_flags(p: argparse.ArgumentParser):
     p.add_argument("--draft_preset", default=None,
                    help="--speculate draft: a named shape with random weights as the draft (benchmarks; "
                         "with --preset and no draft flag the draft is the target's own shape and weights)")
-    p.add_argument("--draft_tokens", type=_positive_int, default=4, help="drafts checked per target step")
+    p.add_argument("--draft_tokens", type=_positive_int, default=None,
+                   help="drafts checked per target step, at most (default: 8 for ngram, 4 for a drafting model)")
     p.add_argument("--draft_layers", type=_positive_int, default=None,
                    help="--speculate self: layers of the draft (default: a quarter of the model's)")
 

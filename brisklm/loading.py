@@ -64,7 +64,7 @@ class LoadOptions:
     fused_kernels: bool = True
     tensor_parallel: bool | None = None
     speculate: str | None = None
-    draft_tokens: int = 4
+    draft_tokens: int | None = None  # (None: api.default_draft_tokens)
     draft_layers: int | None = None
     draft_checkpoint_path: str | None = None
     draft_quantize: str | None = None
