@@ -18,7 +18,7 @@ import json
 import statistics
 
 import brisklm
-from brisklm.api import drafter
+from brisklm.api import default_draft_tokens, drafter
 from brisklm.sampling import SamplingParams
 
 FUNCTION = '''def summarize_orders(orders):
@@ -102,7 +102,7 @@ def main():
     parser.add_argument("--tokens", default="64,256", help="new tokens, comma-separated")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--speculate", default="ngram", help="drafters, comma-separated: ngram, self")
-    parser.add_argument("--draft_tokens", type=int, default=4)
+    parser.add_argument("--draft_tokens", type=int, default=None, help="default: each drafter's (load()'s)")
     parser.add_argument("--draft_layers", type=int, default=None)
     parser.add_argument("--first_plain_run", type=int, default=None,
                         help="DraftPolicy.FIRST_PLAIN_RUN, to compare (1: a single step, as before it)")
@@ -116,10 +116,12 @@ def main():
     gen = llm.generator
     variants = {"plain": None, **{name: drafter(llm.model, name, opts.draft_tokens, opts.draft_layers)
                                   for name in opts.speculate.split(",")}}
+    drafts = {name: opts.draft_tokens or default_draft_tokens(name) for name in variants}
     rows = []
     for d in variants.values():  # (as load(speculate=...) does: the verify and draft steps' graphs)
         if d is not None:
-            llm.warm_speculative(llm.chat_ids([{"role": "user", "content": "Hi"}]), drafter=d)
+            llm.warm_speculative(llm.chat_ids([{"role": "user", "content": "Hi"}]), drafter=d,
+                                 draft_tokens=drafts[next(n for n, v in variants.items() if v is d)])
     for kind, name, message in PROMPTS:
         ids = llm.chat_ids([{"role": "user", "content": message}])
         for sampling, settings in SAMPLINGS.items():
@@ -131,7 +133,7 @@ def main():
                         gen.reset()  # first in turn: a machine's drift moves every variant alike)
                         outs[variant] = list(gen.tokens(ids, tokens, SamplingParams(**settings), llm.tokenizer.eos_ids,
                                                         seed=run, drafter=variants[variant],
-                                                        draft_tokens=opts.draft_tokens))
+                                                        draft_tokens=drafts[variant]))
                         if run:
                             rates[variant].append(gen.stats.decode_tokens_per_s)
                             steps[variant].append(gen.stats.tokens_per_step or 1.0)
@@ -142,7 +144,8 @@ def main():
                                      prompt_tokens=len(ids), new_tokens=len(out), tokens_per_s=rate,
                                      ratio=rate / plain, tokens_per_step=statistics.median(steps[variant]),
                                      same=out == outs["plain"] if sampling == "greedy" else None))
-    print(f"\nSmolLM2 on {gen.device}, {llm.model.dtype}, {opts.draft_tokens} drafts a step at most, "
+    most = ", ".join(f"{name} {drafts[name]}" for name in variants if name != "plain")
+    print(f"\nSmolLM2 on {gen.device}, {llm.model.dtype}, drafts a step at most: {most}, "
           f"median of {opts.runs} after a warm-up")
     print("| kind | prompt | sampling | new tokens | decoding | tok/s | vs plain | tokens a target step "
           "| equals plain |")
