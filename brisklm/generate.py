@@ -23,7 +23,7 @@ import torch
 
 from .model import Transformer, cached_prefix
 from .sampling import SamplingParams, masked
-from .speculative import DraftPolicy, accept
+from .speculative import DraftPolicy, StepCosts, accept
 from .steps import Steps
 
 
@@ -157,7 +157,7 @@ class Generator:
         # apart for greedy and sampled runs, whose steps cost differently: a cost measured where drafting
         # did not pay is not measured again, so one kind's must not stop the other's drafting)
         try:
-            costs = self.draft_costs.setdefault(drafter, {}).setdefault(params.greedy, {})
+            costs = self.draft_costs.setdefault(drafter, {}).setdefault(params.greedy, StepCosts())
         except TypeError:  # (a drafter that cannot be a weak key: measured afresh each run)
             costs = {}
         policy = DraftPolicy(k, costs=costs, free_judging=hasattr(drafter, "judge")) if adapt else None

@@ -291,6 +291,13 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
     return drafts[:kept] + [tokens[kept]]
 
 
+class StepCosts(dict):
+    """Drafts a step -> seconds a step (DraftPolicy.cost), kept across a
+    drafter's runs, and the plain steps taken since a drafting step was
+    last measured (DraftPolicy.update forgets drafting costs that old)."""
+    plain_since_drafting = 0
+
+
 class DraftPolicy:
     """How many drafts to propose at each step: the k in 0..max_k that gives
     the most tokens per second, from what has been measured.
@@ -319,13 +326,18 @@ class DraftPolicy:
     asks what it would have proposed before each token plain decoding made)
     needs no probes: the run starts plain, the chance is learnt from the plain
     tokens, and drafting starts only where the measured step costs say it
-    pays; between choices the plain runs grow from 16 to 128 steps."""
+    pays; between choices the plain runs grow from 16 to 128 steps. Its
+    drafting costs are forgotten after STALE_AFTER plain steps without a
+    drafting step (across runs): one measured while the machine was slow
+    would otherwise stop drafting for good, since only drafting measures
+    them again; where the text then says drafting pays, a step measures."""
 
     PROBE_SHARE = 0.02
     FIRST_PLAIN_RUN = 8  # plain steps that measure a plain step's cost
     JUDGED_RUN = 16  # plain steps between choices, where the drafter judges its drafts for free
     ONE_OFF = 4  # a first drafting step dearer than this many plain ones is measured again
     DOUBT = 3  # rejections assumed before any judged draft, where judging is free
+    STALE_AFTER = 1024  # plain steps after which a free-judging drafter's drafting costs are forgotten
 
     def __init__(self, max_k: int, decay: float = 0.85, costs: dict[int, float] | None = None,
                  free_judging: bool = False):
@@ -335,7 +347,7 @@ class DraftPolicy:
         self.free_judging = free_judging
         self.doubted = set()  # drafts a step whose first, one-off cost was not kept
         self.judged_run = self.JUDGED_RUN // 2  # the next run of judged plain steps, halved
-        self.cost = {} if costs is None else costs  # drafts proposed -> seconds a step (moving average)
+        self.cost = StepCosts() if costs is None else costs  # drafts proposed -> seconds a step (moving average)
         # Drafts kept and drafts judged (the first rejection ends a step's
         # judging), discounted by `decay` a step. The chance that a draft is
         # kept is taken as (kept + 1) / (judged + 1): hopeful while little is
@@ -417,6 +429,17 @@ class DraftPolicy:
         the token it follows is read."""
         return self.run
 
+    def _age(self, plain_steps: int):
+        """Count plain steps since a drafting step was measured; past
+        STALE_AFTER, a free-judging drafter's drafting costs are dropped."""
+        if not (self.free_judging and isinstance(self.cost, StepCosts)):
+            return
+        self.cost.plain_since_drafting += plain_steps
+        if self.cost.plain_since_drafting >= self.STALE_AFTER:
+            for k in [k for k in self.cost if k > 0]:
+                del self.cost[k]
+            self.cost.plain_since_drafting = 0
+
     def observe(self, judged: int, kept: int):
         """Drafts judged and kept without being proposed (NgramDrafter.judge)."""
         weight = self.decay ** judged  # (a position with no draft is no evidence either way)
@@ -439,7 +462,10 @@ class DraftPolicy:
             self.cost[proposed] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
         if not proposed:
             self.since_probe += steps
+            self._age(steps)
             return
+        if isinstance(self.cost, StepCosts):
+            self.cost.plain_since_drafting = 0
         self.kept_count = self.decay * self.kept_count + kept
         self.judged = self.decay * self.judged + kept + (kept < proposed)
         if kept:

@@ -17,7 +17,7 @@ from brisklm.steps import forward
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams, logits_to_probs
 from brisklm.speculative import (CANDIDATES, CONTEXTS, DraftPolicy, ModelDrafter, NgramDrafter, agreement,
-                                 likeliest)
+                                 StepCosts, likeliest)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
@@ -474,8 +474,35 @@ def test_prompt_lookup_judges_its_drafts_as_proposing_them_would():
     assert NgramDrafter().judge(history, 4, 4) == (22, 18)
 
 
+def test_drafting_costs_measured_in_a_slowdown_expire():
+    """Prompt lookup's drafting costs are kept across runs and measured only
+    where it drafts: one measured while the machine was slow must not stop
+    drafting for good. Plain steps re-measure the plain cost; after
+    STALE_AFTER of them the drafting costs are forgotten, and where the
+    judged drafts say drafting pays, it drafts and measures again."""
+    costs = StepCosts({0: 1.0, 1: 9.0, 8: 12.0})  # (drafting measured 9-12x a plain step, in a slowdown)
+    plain_before, chosen = 0, []
+    for _ in range(60):  # replies of 64 tokens, every draft of this text right
+        policy = DraftPolicy(8, costs=costs, free_judging=True)
+        made = 0
+        while made < 64:
+            k = policy.choose(room=64 - made)
+            if k:
+                policy.update(k, k, 1.0 + 0.05 * k)  # (what drafting costs now)
+                chosen.append(k)
+                made += k + 1
+                continue
+            run = min(policy.plain_steps(), 64 - made)
+            policy.update(0, 0, run * 1.0, steps=run)
+            policy.observe(judged=run, kept=run)
+            plain_before += 0 if any(chosen) else run
+            made += run
+    assert DraftPolicy.STALE_AFTER <= plain_before < DraftPolicy.STALE_AFTER + 64, plain_before
+    assert max(chosen) == 8 and costs[8] == pytest.approx(1.4), (chosen, dict(costs))  # (fewer near a reply's end)
+
+
 def test_the_draft_policy_keeps_its_step_costs_across_runs():
-    costs = {}
+    costs = StepCosts()
     run_policy(DraftPolicy(4, costs=costs), 1.0, lambda k: 1.0 + 0.05 * k, 20)
     assert set(costs) == {0, 1, 4}
     chosen, _ = run_policy(DraftPolicy(4, costs=costs), 1.0, lambda k: 1.0 + 0.05 * k, 5)
