@@ -7,8 +7,9 @@ only place a kernel route is chosen:
 - every Linear becomes a FusedLinear: one token goes through a batch-1 GEMV
   (kernels/gemv.py) that reads the weight in its stored format, 2..FEW_ROWS
   tokens of a quantized weight (2..DENSE_ROWS of a dense one) through
-  kernels/matmul.py, and anything else through the format's own forward; each format's kernels are its Route,
-  registered in ROUTES (a new format registers one, or runs its own forward);
+  kernels/matmul.py, and anything else through the format's own forward;
+  each format's kernels are its Route, registered in ROUTES (a new format
+  registers one, or runs its own forward);
 - the RMSNorm before wqkv, w13 and the output layer moves into that Linear
   (the model's norm becomes a pass-through), where the bf16 and int4 GEMVs
   apply it inside the kernel (no kernel between two GEMVs that reduces over

@@ -159,7 +159,7 @@ class Generator:
         try:
             costs = self.draft_costs.setdefault(drafter, {}).setdefault(params.greedy, StepCosts())
         except TypeError:  # (a drafter that cannot be a weak key: measured afresh each run)
-            costs = {}
+            costs = StepCosts()
         policy = DraftPolicy(k, costs=costs, free_judging=hasattr(drafter, "judge")) if adapt else None
         settings = params.on(self.device)
         while stats.new_tokens < max_new_tokens and not (constraint and constraint.done):

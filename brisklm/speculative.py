@@ -339,7 +339,7 @@ class DraftPolicy:
     DOUBT = 3  # rejections assumed before any judged draft, where judging is free
     STALE_AFTER = 1024  # plain steps after which a free-judging drafter's drafting costs are forgotten
 
-    def __init__(self, max_k: int, decay: float = 0.85, costs: dict[int, float] | None = None,
+    def __init__(self, max_k: int, decay: float = 0.85, costs: StepCosts | dict[int, float] | None = None,
                  free_judging: bool = False):
         self.max_k, self.decay = max_k, decay
         # free_judging: the drafter judges its drafts against plain decoding's tokens
@@ -347,7 +347,8 @@ class DraftPolicy:
         self.free_judging = free_judging
         self.doubted = set()  # drafts a step whose first, one-off cost was not kept
         self.judged_run = self.JUDGED_RUN // 2  # the next run of judged plain steps, halved
-        self.cost = StepCosts() if costs is None else costs  # drafts proposed -> seconds a step (moving average)
+        # drafts proposed -> seconds a step (moving average); a StepCosts is kept and shared as given
+        self.cost = costs if isinstance(costs, StepCosts) else StepCosts(costs or {})
         # Drafts kept and drafts judged (the first rejection ends a step's
         # judging), discounted by `decay` a step. The chance that a draft is
         # kept is taken as (kept + 1) / (judged + 1): hopeful while little is
@@ -432,7 +433,7 @@ class DraftPolicy:
     def _age(self, plain_steps: int):
         """Count plain steps since a drafting step was measured; past
         STALE_AFTER, a free-judging drafter's drafting costs are dropped."""
-        if not (self.free_judging and isinstance(self.cost, StepCosts)):
+        if not self.free_judging:
             return
         self.cost.plain_since_drafting += plain_steps
         if self.cost.plain_since_drafting >= self.STALE_AFTER:
@@ -464,8 +465,7 @@ class DraftPolicy:
             self.since_probe += steps
             self._age(steps)
             return
-        if isinstance(self.cost, StepCosts):
-            self.cost.plain_since_drafting = 0
+        self.cost.plain_since_drafting = 0
         self.kept_count = self.decay * self.kept_count + kept
         self.judged = self.decay * self.judged + kept + (kept < proposed)
         if kept:
