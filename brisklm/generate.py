@@ -262,7 +262,8 @@ class Generator:
         here = len(history) - 1
         if constraint is None:
             logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
-            return drafts, accept(logits, drafts, q, settings)  # (reads the tokens: the step's time is known)
+            return drafts, accept(logits, drafts, q, settings, self.steps.chooser)  # (reads the tokens: the step's
+            # time is known)
         # (a sampled draft model's refused draft stays: its rejection draws from the residual p - q)
         refused = q is not None and not params.greedy
         drafts = drafts[:constraint.allowed_drafts(drafts) + refused]
@@ -271,7 +272,7 @@ class Generator:
         logits = self.logits([history[-1], *drafts], here)[0]
         drafts, rows, consumed = constraint.draft_masks(drafts, keep_refused=refused)
         logits = masked(logits[:len(drafts) + 1], rows.to(self.device, non_blocking=True))
-        emitted = accept(logits, drafts, None if q is None else q[:len(drafts)], settings)
+        emitted = accept(logits, drafts, None if q is None else q[:len(drafts)], settings, self.steps.chooser)
         return drafts, constraint.settle(consumed, emitted)
 
     def _plain_run(self, token: int, pos: int, steps: int, settings, constraint) -> Iterator[int]:

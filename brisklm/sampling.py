@@ -95,8 +95,12 @@ def sample(logits: torch.Tensor, params) -> torch.Tensor:
     if settings is None:
         return argmax(logits)
     probs, order = sorted_probs(logits, settings)
-    q = torch.empty_like(probs).exponential_(1)
-    return order.gather(-1, argmax(probs / q)[:, None]).squeeze(-1)
+    return order.gather(-1, draw(probs)[:, None]).squeeze(-1)
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) indices, each row's distributed as it (the exponential race)."""
+    return argmax(probs / torch.empty_like(probs).exponential_(1))
 
 
 def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

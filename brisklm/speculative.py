@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from .model import Transformer, cached_prefix
-from .sampling import SamplingParams, as_settings, logits_to_probs, sample
+from .sampling import SamplingParams, as_settings, draw, logits_to_probs, sample
 
 CONTEXTS = (16, 12, 8, 6, 4, 3, 2, 1)  # context lengths looked up, longest first
 CANDIDATES = 4  # earlier occurrences of the matched context weighed (the latest ones)
@@ -255,7 +255,8 @@ class ModelDrafter:
         del self.cached[length:]
 
 
-def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params) -> list[int]:
+def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, params,
+           choose=None) -> list[int]:
     """The tokens a verify step emits: the kept drafts and one more.
 
     logits (len(drafts) + 1, V): the target's at the current token and at
@@ -263,7 +264,8 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
     params: SamplingParams, or better its `on` form already on the device
     (built from host values behind the forward, it would wait for it).
     Sampled, every row's test and its residual token are drawn on the
-    device, queued behind the forward, and read in one transfer."""
+    device by `choose` (sampled_choices, or a CUDA graph of it: one launch
+    for its ~20), queued behind the forward, and read in one transfer."""
     settings = as_settings(params, logits.device)
     if settings is None:
         target = sample(logits, None).tolist()
@@ -271,9 +273,21 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
         while kept < len(drafts) and drafts[kept] == target[kept]:
             kept += 1
         return drafts[:kept] + [target[kept]]
-    p = logits_to_probs(logits, settings)  # (k + 1, V)
     k = len(drafts)
-    ids = torch.tensor(drafts, pin_memory=p.is_cuda).to(p.device, non_blocking=True)
+    ids = torch.tensor(drafts, pin_memory=logits.is_cuda).to(logits.device, non_blocking=True)
+    read = (choose or sampled_choices)(logits, ids, q, settings).tolist()
+    kept = read.index(0)  # (the first rejected draft's row, or k: every draft kept)
+    return drafts[:kept] + [read[k + 1 + kept]]
+
+
+def sampled_choices(logits: torch.Tensor, ids: torch.Tensor, q: torch.Tensor | None,
+                    settings: torch.Tensor) -> torch.Tensor:
+    """accept's device work, sampled, with no read to the host: (2k + 2,)
+    ids, each draft's test (1: kept) and a 0, then each row's token were
+    the drafts before it kept and its own rejected (the last row's: the
+    token after every draft). ids (k,): the drafts on the device."""
+    p = logits_to_probs(logits, settings)  # (k + 1, V)
+    k = ids.shape[0]
     rows = torch.arange(k, device=p.device)
     p_d = p[rows, ids]
     q_d = torch.ones_like(p_d) if q is None else q[rows, ids].to(p.dtype)
@@ -285,10 +299,8 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, para
         residual = (p[:k] - q.to(p.dtype)).clamp(min=0)
     # (p == q: a rejection there has probability 0; its row's residual is never used)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
-    tokens = torch.multinomial(torch.cat([residual, p[k:]]), 1).squeeze(-1)  # each row's token were it rejected
-    keep, tokens = torch.cat([keep, keep.new_zeros(1)]).tolist(), tokens.tolist()
-    kept = keep.index(False)
-    return drafts[:kept] + [tokens[kept]]
+    tokens = draw(torch.cat([residual, p[k:]]))  # each row's token were it rejected (no multinomial: a graph
+    return torch.cat([keep.long(), keep.new_zeros(1, dtype=torch.long), tokens])  # holds the race's launches)
 
 
 class StepCosts(dict):

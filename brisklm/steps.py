@@ -36,7 +36,8 @@ import time
 import torch
 
 from .model import MoEFeedForward, Transformer, causal_block_mask, decode_block_mask, rows_block_mask
-from .sampling import sample
+from .sampling import SamplingParams, sample
+from .speculative import sampled_choices
 
 
 class OnePassReductions:
@@ -291,6 +292,7 @@ class Steps:
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
         self.graphed_prefill = self.graphed_forward if not compile_prefill else None
         self.sampler = replayed(sample) if graphs else sample
+        self.chooser = replayed(sampled_choices) if graphs else sampled_choices  # (a sampled verify's acceptance)
 
     def compile_kind(self, wait: bool) -> str | None:
         """What compiles: one block inside our CUDA graphs, or on CPUs beside
@@ -479,15 +481,21 @@ class Steps:
     def warm_speculative(self, rows: int, prompt_ids: list[int], draft=None, depth=None):
         """Compile (and capture) the verify step of `rows` tokens and a draft's
         one-token step (draft: a model with its own cache, or depth: the first
-        layers of this one), each run three times (compiled, warmed, recorded)."""
+        layers of this one), each run three times (compiled, warmed, recorded),
+        and capture a sampled verify's acceptance for each number of drafts."""
         self.verify_rows = rows
         self.shapes[id(self.model), rows, None] = self.model, rows, None
         if draft is not None or depth is not None:
             self.shapes[id(draft or self.model), 1, depth] = draft or self.model, 1, depth
         for _ in range(3):
-            self.logits((prompt_ids * rows)[:rows], 0)
+            logits = self.logits((prompt_ids * rows)[:rows], 0)[0]
             if draft is not None or depth is not None:
                 self.logits(prompt_ids[:1], 0, model=draft, last=0, depth=depth)
+        if self.chooser is not sampled_choices:  # its CUDA graphs, one for each number of drafts
+            settings, drafter = SamplingParams(temperature=1.0).on(self.device), draft is not None or depth is not None
+            for k in range(1, rows):
+                q = torch.softmax(logits[:k].float(), -1) if drafter else None  # (a drafting model's proposals)
+                self.chooser(logits[:k + 1], torch.zeros(k, dtype=torch.long, device=self.device), q, settings)
 
     def compile_later(self, wait: bool = False, inside=contextlib.nullcontext) -> bool:
         """Compile what `compile` asked for on another thread (the block, or on
