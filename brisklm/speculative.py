@@ -293,8 +293,7 @@ def sampled_choices(logits: torch.Tensor, ids: torch.Tensor, q: torch.Tensor | N
     q_d = torch.ones_like(p_d) if q is None else q[rows, ids].to(p.dtype)
     keep = torch.rand(k, device=p.device, dtype=p.dtype) * q_d < p_d  # kept with probability min(1, p/q)
     if q is None:
-        residual = p[:k].clone()
-        residual[rows, ids] = 0.0
+        residual = p[:k].scatter(-1, ids[:, None], 0.0)  # (no index_put of a host scalar: a graph captures it)
     else:
         residual = (p[:k] - q.to(p.dtype)).clamp(min=0)
     # (p == q: a rejection there has probability 0; its row's residual is never used)
