@@ -89,3 +89,39 @@ def test_the_cuda_context_starts_beside_the_load_and_a_missing_gpu_is_one_error(
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_sampled_verifys_acceptance_replayed_from_a_cuda_graph_keeps_its_distribution():
+    """speculative.sampled_choices captured in a CUDA graph (steps.replayed,
+    as warm_speculative captures it) and replayed 40,000 times on fixed
+    logits: each draft kept with probability min(1, p/q), and each row's
+    token drawn from its residual (p - q)+ (q: one-hot for prompt lookup,
+    or a drafting model's proposals, here dearer than p at the drafts),
+    within 5 standard errors: every replay draws afresh."""
+    code = ("import torch\n"
+            "from brisklm.sampling import SamplingParams, logits_to_probs\n"
+            "from brisklm.speculative import sampled_choices\n"
+            "from brisklm.steps import replayed\n"
+            "torch.manual_seed(0)\n"
+            "logits, ids, n = torch.randn(3, 12, device='cuda'), torch.tensor([5, 7], device='cuda'), 40000\n"
+            "settings = SamplingParams(temperature=1.0).on('cuda')\n"
+            "p = logits_to_probs(logits, settings)\n"
+            "for q in (None, torch.softmax(torch.randn(2, 12, device='cuda') + 3 * torch.nn.functional.one_hot(ids, 12), -1)):\n"
+            "    choose = replayed(sampled_choices)\n"
+            "    out = torch.stack([choose(logits, ids, q, settings).clone() for _ in range(n)]).cpu()\n"
+            "    qd = torch.ones(2) if q is None else q.cpu()[[0, 1], ids.cpu()]\n"
+            "    want_keep = (p.cpu()[[0, 1], ids.cpu()] / qd).clamp(max=1)\n"
+            "    got_keep = out[:, :2].double().mean(0)\n"
+            "    err = (want_keep * (1 - want_keep) / n).sqrt()\n"
+            "    assert ((got_keep - want_keep).abs() <= 5 * err + 1e-9).all(), (got_keep, want_keep)\n"
+            "    one_hot = torch.zeros(2, 12).scatter_(1, ids.cpu()[:, None], 1.0)\n"
+            "    residual = (p.cpu()[:2] - (one_hot if q is None else q.cpu())).clamp(min=0)\n"
+            "    for row, want in enumerate([*(residual / residual.sum(-1, keepdim=True)), p.cpu()[2]]):\n"
+            "        got = torch.bincount(out[:, 3 + row], minlength=12).double() / n\n"
+            "        err = (want.double() * (1 - want.double()) / n).sqrt()\n"
+            "        assert ((got - want).abs() <= 5 * err + 1e-9).all(), (row, got, want)\n"
+            "    assert out[:, 2].eq(0).all() and len(choose.graphs) == 1\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
