@@ -161,12 +161,13 @@ class Generator:
         except TypeError:  # (a drafter that cannot be a weak key: measured afresh each run)
             costs = StepCosts()
         policy = DraftPolicy(k, costs=costs, free_judging=hasattr(drafter, "judge")) if adapt else None
+        shortest = {"shortest": policy.SHORTEST_CONTEXT} if policy and policy.free_judging else {}
         settings = params.on(self.device)
         while stats.new_tokens < max_new_tokens and not (constraint and constraint.done):
             here = len(history) - 1  # the position of the newest token, not yet in the cache
             room = max_new_tokens - stats.new_tokens - 1  # drafts beyond it could not be emitted
             n, t_step = policy.choose(room) if policy else min(k, room), time.perf_counter()
-            drafts, q = drafter.propose(history, n, params, self.logits) if n else ([], None)
+            drafts, q = drafter.propose(history, n, params, self.logits, **shortest) if n else ([], None)
             if drafts:
                 drafts, emitted = self._verify(history, drafts, q, params, constraint, settings)
             if not drafts:  # nothing to check: plain decoding's own steps, queued ahead as its loop does
@@ -219,7 +220,8 @@ class Generator:
             if (yield from self._emit(history, value, stop)):
                 return True
         if policy and policy.free_judging and emitted:  # what drafting would have kept
-            policy.observe(*drafter.judge(history, len(history) - len(emitted), policy.max_k))
+            policy.observe(*drafter.judge(history, len(history) - len(emitted), policy.max_k,
+                                          shortest=policy.SHORTEST_CONTEXT))
         return False
 
     def _judged_run(self, history, room, policy, drafter, settings, stop, t_step):
@@ -240,11 +242,12 @@ class Generator:
                 return True
             waited += time.perf_counter() - t_out  # (the consumer's time is not the step's)
             if not leaving and len(history) - k > judged_to:  # (a position is judged once k tokens follow it)
-                policy.observe(*drafter.judge(history, judged_to, k, end=len(history) - k))
+                policy.observe(*drafter.judge(history, judged_to, k, end=len(history) - k,
+                                              shortest=policy.SHORTEST_CONTEXT))
                 judged_to = len(history) - k
                 # (only where there is a draft to check now; the step queued already is the run's last)
                 leaving = (made < room - 1 and policy.pays(room - made - 1)
-                           and bool(drafter.propose(history, k, None)[0]))
+                           and bool(drafter.propose(history, k, None, shortest=policy.SHORTEST_CONTEXT)[0]))
             value = next_or_none(run, leaving)
         policy.update(0, 0, self._agreed(time.perf_counter() - t_step - waited), steps=made)
         drafter.kept(len(history) - 1)

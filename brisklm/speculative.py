@@ -145,9 +145,10 @@ class NgramDrafter:
         self.index, self.earlier = TokenIndex(), None
         self.history, self.offset = None, 0  # history[i] is self.index.tokens[self.offset + i]
 
-    def propose(self, history: list[int], k: int, params: SamplingParams, run=None):
-        """Up to k tokens following history, and None (the proposal is one-hot)."""
-        return self._lookup(history, len(history), k), None
+    def propose(self, history: list[int], k: int, params: SamplingParams, run=None, shortest: int = 1):
+        """Up to k tokens following history, and None (the proposal is one-hot);
+        none from a context shorter than `shortest`."""
+        return self._lookup(history, len(history), k, shortest), None
 
     def _follow(self, history: list[int], end: int):
         """Make the index hold history[:end] and the positions before it."""
@@ -178,8 +179,8 @@ class NgramDrafter:
             tokens.append(BOUNDARY)
         self.offset = len(tokens)
 
-    def _lookup(self, history: list[int], end: int, k: int) -> list[int]:
-        """The draft of up to k tokens after history[:end]."""
+    def _lookup(self, history: list[int], end: int, k: int, shortest: int = 1) -> list[int]:
+        """The draft of up to k tokens after history[:end], from a context of at least `shortest` tokens."""
         self._follow(history, end)
         limit = self.offset + end  # (the current text's positions past it are not known yet at end)
         window = tuple(history[max(0, end - CONTEXTS[0]):end])
@@ -187,7 +188,7 @@ class NgramDrafter:
         if self.earlier is not None:
             indexes.append((self.earlier, len(self.earlier.tokens)))
         for level, n in enumerate(CONTEXTS):
-            if n > len(window):
+            if n > len(window) or n < shortest:
                 continue
             key, runs = hash(window[-n:]), []
             for index, stop in indexes:
@@ -197,14 +198,16 @@ class NgramDrafter:
                 return likeliest(runs[:CANDIDATES])
         return []
 
-    def judge(self, history: list[int], first: int, k: int, end: int | None = None) -> tuple[int, int]:
-        """(drafts judged, drafts kept) had k drafts been proposed before each of
+    def judge(self, history: list[int], first: int, k: int, end: int | None = None,
+              shortest: int = 1) -> tuple[int, int]:
+        """(drafts judged, drafts kept) had k drafts been proposed (from
+        contexts of at least `shortest` tokens) before each of
         history[first:end] (tokens plain decoding made): the chance of keeping
         a draft, learnt for free while decoding plainly. As in a verify step, a
         proposal's first wrong draft ends its judging."""
         judged = kept = 0
         for at in range(first, len(history) if end is None else end):
-            drafts = self._lookup(history, at, k)
+            drafts = self._lookup(history, at, k, shortest)
             right = next((i for i, (d, t) in enumerate(zip(drafts, history[at:])) if d != t),
                          min(len(drafts), len(history) - at))
             kept += right
@@ -348,6 +351,14 @@ class DraftPolicy:
     JUDGED_RUN = 16  # plain steps between choices, where the drafter judges its drafts for free
     ONE_OFF = 4  # a first drafting step dearer than this many plain ones is measured again
     DOUBT = 3  # rejections assumed before any judged draft, where judging is free
+    MARGIN = 0.1  # drafting must promise this much more than plain steps: the chance is an estimate
+    # Prompt lookup drafts from no context shorter than this: outside copied text, a draft after
+    # one or two matched tokens (a common word) is kept too seldom to pay for its verify (over
+    # the speculation benchmark's plain outputs, 0.31 of a 1-token context's drafts would have
+    # been kept, 0.54 of a 2-token one's, 0.99 of a 16-token one's), and failed verifies are what
+    # made replies slower than plain decoding (RESULTS: 32 of 32 rows at 0.97x or better on a GPU,
+    # at a cost on copied text, where a short context picks the copy up again after an edit).
+    SHORTEST_CONTEXT = 3
     STALE_AFTER = 1024  # plain steps after which a free-judging drafter's drafting costs are forgotten
 
     def __init__(self, max_k: int, decay: float = 0.85, costs: StepCosts | dict[int, float] | None = None,
@@ -412,7 +423,7 @@ class DraftPolicy:
         if 0 not in self.cost:  # a plain step's cost, measured over a run queued ahead as plain decoding's
             self.run = self.FIRST_PLAIN_RUN  # (one step alone would count the host's wait for the device)
             return 0
-        best = max(range(top + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
+        best = max(range(top + 1), key=self.rate)
         if self.free_judging:  # no probes: the plain steps are judged, in runs that grow while drafts
             self.judged_run = 2 * self.judged_run if best == 0 else self.JUDGED_RUN // 2  # would not pay
             self.run = min(self.judged_run, 8 * self.JUDGED_RUN)  # (each run ends in a wait for the host)
@@ -431,8 +442,11 @@ class DraftPolicy:
         """Whether drafting now would give more tokens a second than plain steps
         (a free-judging drafter's plain run asks as its tokens are judged);
         never before a draft has been judged (the chance is only the prior's)."""
-        return self.judged > 0 and any(self.expected_tokens(k) / self.step_cost(k) > 1 / self.cost[0]
-                                       for k in range(1, min(self.max_k, room) + 1))
+        return self.judged > 0 and any(self.rate(k) > self.rate(0) for k in range(1, min(self.max_k, room) + 1))
+
+    def rate(self, k: int) -> float:
+        """Tokens a second expected of steps with k drafts, drafting's discounted by MARGIN."""
+        return self.expected_tokens(k) / self.step_cost(k) / (1 + self.MARGIN if k else 1)
 
     def plain_steps(self) -> int:
         """Where choose() gave 0: the plain steps to take before asking again
