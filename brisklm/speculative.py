@@ -351,6 +351,11 @@ class DraftPolicy:
     JUDGED_RUN = 16  # plain steps between choices, where the drafter judges its drafts for free
     ONE_OFF = 4  # a first drafting step dearer than this many plain ones is measured again
     DOUBT = 3  # rejections assumed before any judged draft, where judging is free
+    # The discount of the record a judged draft: the record holds about 1 / (1 - it) drafts, so
+    # the chance it gives is at most about that many over DOUBT more (0.85 capped it near 0.7,
+    # under which 8 drafts promise 3.2 tokens: not enough where a verify costs 3 plain steps, as
+    # 9 rows do on 2 CPU cores, however well the text copies)
+    JUDGED_DECAY = 0.93
     MARGIN = 0.1  # drafting must promise this much more than plain steps: the chance is an estimate
     # Prompt lookup drafts from no context shorter than this: outside copied text, a draft after
     # one or two matched tokens (a common word) is kept too seldom to pay for its verify (over
@@ -372,10 +377,11 @@ class DraftPolicy:
         # drafts proposed -> seconds a step (moving average); a StepCosts is kept and shared as given
         self.cost = costs if isinstance(costs, StepCosts) else StepCosts(costs or {})
         # Drafts kept and drafts judged (the first rejection ends a step's
-        # judging), discounted by `decay` a step. The chance that a draft is
-        # kept is taken as (kept + 1) / (judged + 1): hopeful while little is
-        # known, the measured fraction once much is; where judging is free,
-        # kept / (judged + DOUBT): doubtful until the text shows otherwise.
+        # judging), discounted by `decay` a step (JUDGED_DECAY a draft judged
+        # for free). The chance that a draft is kept is taken as (kept + 1) /
+        # (judged + 1): hopeful while little is known, the measured fraction
+        # once much is; where judging is free, kept / (judged + DOUBT):
+        # doubtful until the text shows otherwise.
         self.judged = self.kept_count = 0.0
         self.since_probe, self.wait, self.interval = 0, 0, 16  # plain steps since a failed probe; its wait
         self.probing = True  # whether the step chosen last is a probe (the run's first step is)
@@ -468,7 +474,7 @@ class DraftPolicy:
 
     def observe(self, judged: int, kept: int):
         """Drafts judged and kept without being proposed (NgramDrafter.judge)."""
-        weight = self.decay ** judged  # (a position with no draft is no evidence either way)
+        weight = self.JUDGED_DECAY ** judged  # (a position with no draft is no evidence either way)
         self.kept_count = weight * self.kept_count + kept
         self.judged = weight * self.judged + judged
 
