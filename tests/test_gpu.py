@@ -18,12 +18,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script(name: str, *args: str) -> str:
+def run_python(*args: str, timeout: int = 1800) -> str:
+    """A child Python's stdout (args after the interpreter), asserting that it succeeded."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *args], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     return proc.stdout
+
+
+def run_script(name: str, *args: str) -> str:
+    return run_python(os.path.join(ROOT, "benchmarks", name), *args)
 
 
 def test_compiled_and_graphed_steps_give_the_eager_tokens(smollm2_gguf):
@@ -86,9 +90,7 @@ def test_the_cuda_context_starts_beside_the_load_and_a_missing_gpu_is_one_error(
             "    assert 'not usable' in str(e), e\n"
             "else:\n"
             "    raise AssertionError(missing)\n")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python("-c", code, timeout=300)
 
 
 def test_a_sampled_verifys_acceptance_replayed_from_a_cuda_graph_keeps_its_distribution():
@@ -122,6 +124,4 @@ def test_a_sampled_verifys_acceptance_replayed_from_a_cuda_graph_keeps_its_distr
             "        assert ((got - want).abs() <= 5 * err + 1e-9).all(), (row, got, want)\n"
             "    assert out[:, 2].eq(0).all() and len(choose.graphs) == 1\n"
             "print('ok')\n")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    assert "ok" in run_python("-c", code, timeout=300)
