@@ -265,8 +265,8 @@ class Generator:
         here = len(history) - 1
         if constraint is None:
             logits = self.logits([history[-1], *drafts], here)[0]  # (1 + drafts, V)
-            return drafts, accept(logits, drafts, q, settings, self.steps.chooser)  # (reads the tokens: the step's
-            # time is known)
+            # (accept reads the tokens: the step's time is known)
+            return drafts, accept(logits, drafts, q, settings, self.steps.chooser)
         # (a sampled draft model's refused draft stays: its rejection draws from the residual p - q)
         refused = q is not None and not params.greedy
         drafts = drafts[:constraint.allowed_drafts(drafts) + refused]
