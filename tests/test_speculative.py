@@ -504,6 +504,20 @@ def test_drafting_that_promises_less_than_the_margin_is_not_taken():
         assert policy.pays(room=10) == drafts and policy.choose(room=10) == drafts, chance
 
 
+def test_text_that_copies_pays_for_a_dear_verify():
+    """Drafts judged for free, every one kept, two a position (the lookup
+    cuts a draft where earlier repeats of its context parted): the chance
+    the record gives must climb high enough that 8 drafts pay where a verify
+    costs 3.2 plain steps (9 rows on 2 CPU cores). Each judged draft
+    discounting the record by 0.85 held it near 0.71 (8 drafts: 3.3 tokens
+    for 3.2 steps' cost); by JUDGED_DECAY, 0.83 (4.7 tokens)."""
+    policy = DraftPolicy(8, costs={0: 1.0, 8: 3.2}, free_judging=True)
+    for _ in range(200):
+        policy.observe(judged=2, kept=2)
+    assert 0.8 < policy.kept < 0.85
+    assert policy.choose(room=100) == 8
+
+
 def test_drafting_costs_measured_in_a_slowdown_expire():
     """Prompt lookup's drafting costs are kept across runs and measured only
     where it drafts: one measured while the machine was slow must not stop
