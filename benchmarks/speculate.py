@@ -10,6 +10,8 @@ greedy and sampled (temperature 0.7, top-p 0.9, seeded), for each length in
 --tokens, plainly and with each drafter: one warm-up run, then the median of
 --runs, the variants interleaved (each first in turn). The table's last
 column is the goal of the speculation issue: no row slower than 0.97x plain.
+--control adds plain decoding again as a variant of its own: its ratios to
+plain are the machine's noise, against which a row's loss can be read.
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ PROMPTS = [  # (kind, name, user message)
      "a bottle."),
     ("open chat", "advice", "What are good habits for studying for an exam?"),
 ]
+CONTROL = "plain again"  # (--control)
 SAMPLINGS = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.7, top_p=0.9)}
 
 
@@ -106,6 +109,7 @@ def main():
     parser.add_argument("--draft_layers", type=int, default=None)
     parser.add_argument("--first_plain_run", type=int, default=None,
                         help="DraftPolicy.FIRST_PLAIN_RUN, to compare (1: a single step, as before it)")
+    parser.add_argument("--control", action="store_true", help="plain decoding again, as a variant: the noise")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
     if opts.first_plain_run is not None:
@@ -114,7 +118,7 @@ def main():
     llm = brisklm.load(opts.checkpoint_path, device=opts.device, dtype=opts.dtype)
     llm.wait_compiled()  # (timed: the compiled step, not the one that serves meanwhile)
     gen = llm.generator
-    variants = {"plain": None, **{name: drafter(llm.model, name, opts.draft_tokens, opts.draft_layers)
+    variants = {"plain": None, **({CONTROL: None} if opts.control else {}), **{name: drafter(llm.model, name, opts.draft_tokens, opts.draft_layers)
                                   for name in opts.speculate.split(",")}}
     drafts = {name: opts.draft_tokens or default_draft_tokens(name) for name in variants}
     rows = []
@@ -154,12 +158,16 @@ def main():
         same = "" if r["same"] is None else "yes" if r["same"] else "NO"
         print(f"| {r['kind']} | {r['prompt']} | {r['sampling']} | {r['new_tokens']}/{r['tokens']} | {r['decoding']} "
               f"| {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['tokens_per_step']:.2f} | {same} |")
-    spec = [r for r in rows if r["decoding"] != "plain"]
+    spec = [r for r in rows if r["decoding"] not in ("plain", CONTROL)]
     worst = min(spec, key=lambda r: r["ratio"])
     print(f"\nworst: {worst['ratio']:.2f}x ({worst['prompt']}, {worst['sampling']}, {worst['tokens']} tokens, "
           f"{worst['decoding']}); best: {max(r['ratio'] for r in spec):.2f}x; "
           f"rows under 0.97x: {sum(r['ratio'] < 0.97 for r in spec)} of {len(spec)}; "
           f"greedy outputs equal: {all(r['same'] for r in spec if r['same'] is not None)}")
+    control = [r["ratio"] for r in rows if r["decoding"] == CONTROL]
+    if control:
+        print(f"{CONTROL} against plain (the machine's noise): {min(control):.2f}x to {max(control):.2f}x, "
+              f"rows under 0.97x: {sum(c < 0.97 for c in control)} of {len(control)}")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=1)
