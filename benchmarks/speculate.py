@@ -118,8 +118,9 @@ def main():
     llm = brisklm.load(opts.checkpoint_path, device=opts.device, dtype=opts.dtype)
     llm.wait_compiled()  # (timed: the compiled step, not the one that serves meanwhile)
     gen = llm.generator
-    variants = {"plain": None, **({CONTROL: None} if opts.control else {}), **{name: drafter(llm.model, name, opts.draft_tokens, opts.draft_layers)
-                                  for name in opts.speculate.split(",")}}
+    variants = {"plain": None, **({CONTROL: None} if opts.control else {}),
+                **{name: drafter(llm.model, name, opts.draft_tokens, opts.draft_layers)
+                   for name in opts.speculate.split(",")}}
     drafts = {name: opts.draft_tokens or default_draft_tokens(name) for name in variants}
     rows = []
     for d in variants.values():  # (as load(speculate=...) does: the verify and draft steps' graphs)
