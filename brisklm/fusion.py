@@ -18,7 +18,8 @@ only place a kernel route is chosen:
   read in place from the stacked weights, at their index on the device
   (FusedLinear.expert_forward, gemv.expert_gemv), where the plain format
   copies each one out first; a few tokens that run every expert read all
-  their w13 matrices in one launch (FusedLinear.experts_forward);
+  their w13 matrices in one launch and all their w2 matrices, each with its
+  own expert's rows, in another (FusedLinear.experts_forward);
 - Attention becomes FusedAttention (the same modules): one token's RoPE, cache write and
   attention in one kernel (kernels/attention.py) that reads the filled
   length on the device, so a decode step needs no host value and replays
@@ -67,8 +68,9 @@ class Route:
         return None
 
     def every_expert(self, w, part: dict, x):
-        """x (M, K) times every expert's matrix at once, `part` holding them
-        stacked (E, N, ...): (M, E * N) as one matrix of E * N rows."""
+        """x (M, K), or each expert's own rows (E, M, K), times every expert's
+        matrix at once, `part` holding them stacked (E, N, ...): (M, E * N) as
+        one matrix of E * N rows."""
         return None
 
 
@@ -117,6 +119,8 @@ class DenseRoute(Route):
         return None if y is None else y.sum(0)
 
     def every_expert(self, w, part, x):
+        if x.dim() == 3:
+            return torch.bmm(x, part["weight"].transpose(1, 2)).transpose(0, 1).flatten(1)
         return F.linear(x, part["weight"].flatten(0, 1))
 
 
@@ -211,10 +215,11 @@ class FusedLinear(WeightFormat):
         kernel for it (a few rows): one launch reads them all."""
         parts = {name.removeprefix("inner."): t for name, t in stacked.items()}
         fits = self.bias is None and all(t.numel() < 2**31 for t in parts.values())  # (the kernels' int32 offsets)
-        y = self.route.every_expert(self.inner, parts, x) if fits and matmul.supported(x) else None
+        rows = x[0] if x.dim() == 3 else x
+        y = self.route.every_expert(self.inner, parts, x) if fits and matmul.supported(rows) else None
         if y is None:
             return super().experts_forward(stacked, x)
-        y = y.view(x.shape[0], -1, self.out_features).transpose(0, 1)  # (E, M, N), each expert's rows together:
+        y = y.view(rows.shape[0], -1, self.out_features).transpose(0, 1)  # (E, M, N), each expert's rows together:
         return y.to(x.dtype, memory_format=torch.contiguous_format)  # (the cast lays them out)
 
     def prepare(self, device, compiled=False):

@@ -335,11 +335,12 @@ class WeightFormat(nn.Module):
         return torch.func.functional_call(self, {name: t.index_select(0, e)[0] for name, t in stacked.items()}, (x,))
 
     def experts_forward(self, stacked: dict[str, torch.Tensor], x):
-        """x (M, in_features) times every expert's matrix: (E, M, out_features),
-        `stacked` as for expert_forward. Here: one expert after another."""
+        """x (M, in_features), or each expert's own rows (E, M, in_features),
+        times every expert's matrix: (E, M, out_features), `stacked` as for
+        expert_forward. Here: one expert after another."""
         experts = next(iter(stacked.values())).shape[0]
-        return torch.stack([torch.func.functional_call(self, {name: t[e] for name, t in stacked.items()}, (x,))
-                            for e in range(experts)])
+        return torch.stack([torch.func.functional_call(self, {name: t[e] for name, t in stacked.items()},
+                                                       (x[e] if x.dim() == 3 else x,)) for e in range(experts)])
 
 
 class Linear(WeightFormat, nn.Linear):
@@ -491,10 +492,8 @@ class MoEFeedForward(nn.Module):
         share = weights.new_zeros(x.shape[0], len(self.experts)).scatter_(1, chosen, weights)  # (M, E), 0: not chosen
         gate, up = expert.w13.experts_forward(self.stacked["w13"], x).split(expert.intermediate_size, dim=-1)
         h = expert.act(gate) * up  # (E, M, I)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e, each in enumerate(self.experts):
-            y.addcmul_(each.w2(h[e]), share[:, e, None])
-        return y
+        y = expert.w2.experts_forward(self.stacked["w2"], h)  # (E, M, C)
+        return (y.float() * share.t()[:, :, None]).sum(0)
 
     def by_expert(self, x, weights, chosen):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -144,7 +144,33 @@ def _few_rows_cases():
             err = relative_error(y.double(), ref)
             assert err < 1e-6, (n, k, m, name, err)  # (the interpreter multiplies in fp32)
             checked.append(f"{n}x{k}x{m} {name}")
+    for name in ("int8", "int4-g32"):
+        checked.append(rows_for_each_block_of_outputs(name))
     return checked
+
+
+def rows_for_each_block_of_outputs(name, experts=3, n=48, k=128, m=5):
+    """x (E, M, K) against codes of E blocks of N outputs stacked: each block
+    meets its own rows (an MoE layer's w2, every expert in one launch). N = 48
+    is no multiple of the tests' BLOCK_N of 32 (or HALVES' 64): the tile halves."""
+    w = torch.randn(experts * n, k) * 0.02
+    x = torch.randn(experts, m, k).to(torch.bfloat16)
+    parts = quantize_int8(w) if name == "int8" else quantize_int4(w, int(name.split("-g")[1]), torch.bfloat16)
+    dense = dequantize(parts).double()
+    ref = torch.cat([x[e].double() @ dense[e * n:(e + 1) * n].t() for e in range(experts)], 1)
+    if name == "int8":
+        y = matmul.few_rows_matmul(x, parts["int8"]) * parts["scale"]
+    else:
+        y = matmul.few_rows_matmul(x, parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16())
+    assert y.shape == (m, experts * n) and relative_error(y.double(), ref) < 5e-6, name
+    try:
+        codes = parts["int8" if name == "int8" else "int4"]
+        matmul.few_rows_matmul(torch.zeros(5, m, k, dtype=x.dtype), codes, *([] if name == "int8" else
+                                                                             [parts["scale"], parts["zero"]]))
+        raise AssertionError("144 outputs taken in 5 blocks of rows")
+    except ValueError as e:
+        assert "144 outputs" in str(e), e
+    return f"{name} rows for each of {experts} blocks"
 
 
 def int4_halves_matmul_matches_fp64():
@@ -175,6 +201,11 @@ def int4_halves_matmul_matches_fp64():
                 # (136 xs taken back from the fp32 dot: ~1e-6, where the widened tile gets ~1e-7)
                 assert y.shape == (m, n) and relative_error(y.double(), ref) < 5e-6, (n, k, m, g, dtype, swap)
         checked.append(f"{n}x{k}x{m} g{g}")
+    matmul.HALVES = (64, 2, 4, 2, True, 64)
+    try:
+        checked.append(rows_for_each_block_of_outputs("int4-g64"))
+    finally:
+        matmul.HALVES = table
     # Compiled as a CUDA step runs it (the custom op, after a norm that inductor fuses): the same
     # sums. (x's sums per group made outside the kernel came from x before its rounding to bf16,
     # 136 times that rounding off: 1.7e-2 here.)
@@ -343,9 +374,10 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
     # bf16: one token's chosen experts read in place from the stacked weights (FusedLinear.expert_forward,
     # gemv.expert_gemv; Q8_0 has no such kernel and copies them out), against the experts' own modules (by_expert)
     with counted(gemv, "expert_gemv") as in_place:
-        for mode in ("int8", "int4", "q8_0", "bf16"):
+        for mode in ("int8", "int4", "int4-g64", "q8_0", "bf16"):  # (int4 in groups of 64: x's halves, HALVES)
             state = random_state_dict(moe, torch.bfloat16, std=0.1)
-            qargs, qstate = (moe, state) if mode == "bf16" else quantize_state_dict(moe, state, mode, 32)
+            fmt, group = mode.split("-g") if "-g" in mode else (mode, 32)
+            qargs, qstate = (moe, state) if mode == "bf16" else quantize_state_dict(moe, state, fmt, int(group))
             a = fuse_for_decode(build_model(qargs, qstate, FORMATS))
             a.setup_caches(1, 16)
             a.prepare()
@@ -356,19 +388,21 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
                 x = torch.randn(2, 64).bfloat16()  # (two rows: a verify step's)
                 weights, chosen = ffn.route(x)
                 got, want = ffn.by_slot(x, weights, chosen), ffn.by_expert(x, weights, chosen)
-            assert len(in_place) == (0 if mode == "q8_0" else 8), mode  # two rows, two experts each, two matrices each
+            # two rows, two experts each, two matrices each (int4-g64: w2's inputs padded to whole groups, copied)
+            assert len(in_place) == {"q8_0": 0, "int4-g64": 4}.get(mode, 8), (mode, len(in_place))
             err = relative_error(got, want)
             assert err < 2e-2, (mode, err)
             checked.append(f"in place {mode}")
-            # a short prompt's rows through every expert, w13 of all four in one launch (FusedLinear.experts_forward)
+            # a short prompt's rows through every expert (FusedLinear.experts_forward): w13 of all four in one
+            # launch, then w2 of all four in another, each expert's matrix with its own rows
             with torch.no_grad():
                 x = torch.randn(8, 64).bfloat16()
                 weights, chosen = ffn.route(x)
                 want = ffn.by_expert(x, weights, chosen)
                 with counted(matmul, "few_rows_matmul") as launches:
                     got = ffn.by_every_expert(x, weights, chosen)
-            # (bf16: w13 of every expert through cuBLAS, each w2 through ours as any dense Linear's few rows)
-            assert len(launches) == (4 if mode == "bf16" else 1 + 4), (mode, len(launches))
+            # (bf16: both through cuBLAS)
+            assert len(launches) == (0 if mode == "bf16" else 2), (mode, len(launches))
             err = relative_error(got, want)
             assert err < 2e-2, (mode, err)
             checked.append(f"every expert {mode}")

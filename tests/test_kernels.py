@@ -85,19 +85,22 @@ def test_gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes(interpreted):
 @pytest.mark.slow
 @pytest.mark.parametrize("swap", [False, True])
 def test_few_rows_matmul_matches_fp64_for_every_format(swap, interpreted):
-    assert len(interpreted) == 6 + 5 + 5 and {"960x576x5 q8_0", "37x200x17 int4-g128"} <= set(interpreted)
+    assert len(interpreted) == 6 + 5 + 5 + 2 and {"960x576x5 q8_0", "37x200x17 int4-g128"} <= set(interpreted)
+    assert {"int8 rows for each of 3 blocks", "int4-g32 rows for each of 3 blocks"} <= set(interpreted)
 
 
 @pytest.mark.slow
 def test_int4_halves_matmul_matches_fp64(interpreted):
-    assert interpreted == ["96x256x5 g32", "37x512x17 g128", "200x384x64 g64", "40x192x3 g64", "compiled"]
+    assert interpreted == ["96x256x5 g32", "37x512x17 g128", "200x384x64 g64", "40x192x3 g64",
+                           "int4-g64 rows for each of 3 blocks", "compiled"]
 
 
 @pytest.mark.slow
 def test_quantized_model_through_the_kernels_matches_its_dequantized_weights(interpreted):
     assert interpreted == ["float32 none", "float32 int8", "float32 fp8", "float32 int4", "bfloat16 none",
                            "bfloat16 int8", "bfloat16 fp8", "bfloat16 int4", "moe int8", "moe int4", "in place int8", "every expert int8",
-                           "in place int4", "every expert int4", "in place q8_0", "every expert q8_0",
+                           "in place int4", "every expert int4", "in place int4-g64", "every expert int4-g64",
+                           "in place q8_0", "every expert q8_0",
                            "in place bf16", "every expert bf16"]
 
 

@@ -41,12 +41,13 @@ if triton is not None:
     _ROW_SCALED, _INT4, _DENSE = tl.constexpr(ROW_SCALED), tl.constexpr(INT4), tl.constexpr(DENSE)
 
     @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+    def _few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
                          KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
                          INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        x_ptr += (pid_n * BLOCK_N // N_PER_X) * M * K  # (the rows of x for this tile's block of N_PER_X outputs)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
@@ -96,7 +97,7 @@ if triton is not None:
 
 
     @triton.jit
-    def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT,
+    def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
                             GROUP: tl.constexpr, ONE: tl.constexpr, SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
                             INTERPRET: tl.constexpr, PDL: tl.constexpr):
@@ -114,6 +115,9 @@ if triton is not None:
         OFFSET: tl.constexpr = 128.0
         _await_inputs(PDL)
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        x_block = (pid_n * BLOCK_N // N_PER_X) * M * (K // 2)  # (as in _few_rows_kernel)
+        xe_ptr += x_block
+        xo_ptr += x_block
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
@@ -169,15 +173,26 @@ HALVES = (64, 2, 4, 3, True, 528)
 MIN_HALVES_GROUP = 64
 
 
-def blocks(kind: int, m: int, n: int, k: int, group: int | None) -> tuple[int, ...]:
+def blocks(kind: int, m: int, n: int, k: int, group: int | None, per_x: int = 0) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP): about
-    `programs` programs, splitting K where the tiles of N alone give too few."""
+    `programs` programs, splitting K where the tiles of N alone give too few;
+    each tile within one block of per_x outputs (if given)."""
     block_n, block_k, warps, stages, swap, programs = CONFIG[kind]
+    block_n = whole_tiles(block_n, per_x)
     block_k = block_k if group is None else min(block_k, max(group, 32))
     while k % block_k and block_k > 32:
         block_k //= 2
     block_m, split = rows_and_split(m, n, -(-k // block_k), block_n, programs)
     return block_m, block_n, block_k, split, warps, stages, swap
+
+
+def whole_tiles(block_n: int, per_x: int) -> int:
+    """BLOCK_N, halved until it divides per_x (0: any)."""
+    while per_x % block_n and block_n > 16:
+        block_n //= 2
+    if per_x % block_n:
+        raise ValueError(f"{per_x} outputs for each x do not split into tiles of 16")
+    return block_n
 
 
 def rows_and_split(m: int, n: int, steps: int, block_n: int, programs: int) -> tuple[int, int]:
@@ -197,9 +212,10 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     """(M, N) fp32 sums of x (M, K) times the codes' weights: codes (N, K) int8
     or fp8 with no scale (the caller's per-row scale), int8 with a scale (N,
     K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
-    weights (N, K) in x's dtype."""
+    weights (N, K) in x's dtype. x (E, M, K): rows of their own for each
+    block of N/E outputs (an MoE layer's experts stacked as one matrix)."""
     if halves_group(codes, scale, x):
-        xe, xo = x[:, 0::2].contiguous(), x[:, 1::2].contiguous()  # (in a compiled step: made with x)
+        xe, xo = x[..., 0::2].contiguous(), x[..., 1::2].contiguous()  # (in a compiled step: made with x)
         partial = (_halves_op if _traced(codes) else _launch_halves)(xe, xo, codes, scale, zero)
     else:
         partial = (_few_rows_op if _traced(codes) else _launch)(x, codes, scale, zero)
@@ -221,13 +237,14 @@ def halves_group(codes: torch.Tensor, scale: torch.Tensor | None, x: torch.Tenso
     group is the dot's depth, at least 16.)"""
     if codes.dtype != torch.uint8 or not HALVES or x.dtype not in (torch.bfloat16, torch.float16):
         return None
-    group = x.shape[1] // scale.shape[1]
+    group = x.shape[-1] // scale.shape[1]
     return group if group >= MIN_HALVES_GROUP else None
 
 
-def halves_blocks(m: int, n: int, k: int, group: int) -> tuple[int, ...]:
+def halves_blocks(m: int, n: int, k: int, group: int, per_x: int = 0) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP), as blocks()."""
     block_n, groups, warps, stages, swap, programs = HALVES
+    block_n = whole_tiles(block_n, per_x)
     block_k = group * groups
     while k % block_k:
         block_k -= group
@@ -235,24 +252,34 @@ def halves_blocks(m: int, n: int, k: int, group: int) -> tuple[int, ...]:
     return block_m, block_n, block_k, split, warps, stages, swap
 
 
+def per_x(x: torch.Tensor, n: int) -> int:
+    """The outputs that each (M, K) of x meets: N/E for x (E, M, K); 0 (all) for x (M, K)."""
+    if x.dim() == 2:
+        return 0
+    if n % x.shape[0]:
+        raise ValueError(f"{n} outputs do not split among {x.shape[0]} blocks of rows")
+    return n // x.shape[0]
+
+
 def _halves_shape(xe, codes, scale):
     """(K, group, the empty partial sums (SPLIT_K, M, N), halves_blocks())."""
-    (m, k), n = (xe.shape[0], 2 * xe.shape[1]), codes.shape[0]
+    (m, k), n = (xe.shape[-2], 2 * xe.shape[-1]), codes.shape[0]
     group = k // scale.shape[1]
-    chosen = halves_blocks(m, n, k, group)
+    chosen = halves_blocks(m, n, k, group, per_x(xe, n))
     return k, group, xe.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
 
 
 def _launch_halves(xe, xo, codes, scale, zero):
     """The split-K partial sums (SPLIT_K, M, N) in fp32."""
     k, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _halves_shape(xe, codes, scale)
-    m, n = xe.shape[0], codes.shape[0]
+    m, n = xe.shape[-2], codes.shape[0]
     if k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
     pdl = early_launch(xe.device)  # (launched while the kernel before finishes, as the GEMVs are)
     # (contiguous: the compiler may hand a custom op other strides than eager code has)
     _int4_halves_kernel[grid](xe.contiguous(), xo.contiguous(), codes, scale, zero, out, m, n, k, k // split,
+                              per_x(xe, n) or n,
                               GROUP=group, ONE=0x4300 if xe.dtype == torch.bfloat16 else 0x5800,
                               SHIFT=0 if xe.dtype == torch.bfloat16 else 3, BLOCK_M=block_m,
                               BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(),
@@ -271,15 +298,15 @@ def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
 def _launch_shape(x, codes, scale):
     """(kind, group, the empty fp32 partial sums (SPLIT_K, M, N), blocks()) of these operands."""
     kind = kind_of(codes, scale)
-    (m, k), n = x.shape, codes.shape[0]
+    (m, k), n = x.shape[-2:], codes.shape[0]
     group = None if scale is None else k // scale.shape[1]
-    chosen = blocks(kind, m, n, k, group)
+    chosen = blocks(kind, m, n, k, group, per_x(x, n))
     return kind, group, x.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
 
 
 def _launch(x, codes, scale, zero):
     """The split-K partial sums (SPLIT_K, M, N) in fp32."""
-    m, k = x.shape
+    m, k = x.shape[-2:]
     n = codes.shape[0]
     kind, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _launch_shape(x, codes, scale)
     if kind == INT4 and k != 2 * codes.shape[1]:
@@ -289,7 +316,7 @@ def _launch(x, codes, scale, zero):
     absent = codes if scale is None else scale  # (pointers the kernel's format does not read)
     pdl = early_launch(x.device)  # (launched while the kernel before finishes, as the GEMVs are)
     _few_rows_kernel[grid](x.contiguous(), codes, absent, absent if zero is None else zero, out, m, n, k,
-                           k_per_split, KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n,
+                           k_per_split, per_x(x, n) or n, KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n,
                            BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(), PDL=pdl, num_warps=warps,
                            num_stages=stages, launch_pdl=pdl)
     return out
