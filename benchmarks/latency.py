@@ -112,7 +112,7 @@ def main():
     def captured():
         return steps.graph_count()
 
-    def run(n, sampling):
+    def run(n, sampling, new_tokens=opts.new_tokens):
         sampling = dict(sampling)
         stop_ids, stop = sampling.pop("stop_ids", ()), sampling.pop("stop", None)
         ids = _prompt(n, vocab, seed=n)
@@ -120,9 +120,9 @@ def main():
         sync()
         t = time.perf_counter()
         if stop is not None:
-            pieces = llm.stream_ids_as_text(ids, opts.new_tokens, stop, **sampling)
+            pieces = llm.stream_ids_as_text(ids, new_tokens, stop, **sampling)
         else:
-            pieces = llm.stream_ids(ids, opts.new_tokens, stop_ids=stop_ids, **sampling)
+            pieces = llm.stream_ids(ids, new_tokens, stop_ids=stop_ids, **sampling)
         for _ in pieces:
             pass
         sync()
@@ -166,19 +166,8 @@ def main():
     rates = [decode_rate() for _ in range(4)]
     rate = statistics.median(rates[1:])
 
-    def first_token_ms(n):
-        ids = _prompt(n, vocab, seed=n)
-        times = []
-        for _ in range(8):
-            gen.reset()
-            sync()
-            t = time.perf_counter()
-            for _ in llm.stream_ids(ids, 1, stop_ids=()):
-                pass
-            sync()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times[1:])
-    first_tokens = {n: first_token_ms(n) for n in (1, 5, 17, 64) if n < gen.max_seq_length}
+    first_tokens = {n: statistics.median([run(n, {}, 1) * 1e3 for _ in range(8)][1:])
+                    for n in (1, 5, 17, 64) if n < gen.max_seq_length}
     print("first token: " + ", ".join(f"{n} tokens {ms:.1f} ms ({ms * rate / 1e3:.2f} decode steps)"
                                       for n, ms in first_tokens.items()), flush=True)
     ceiling = read_ceiling_gb_s(device)
