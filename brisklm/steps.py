@@ -93,6 +93,19 @@ def run_block(layer, x, cos, sin, mask, input_pos):
     return layer(x, cos, sin, mask, input_pos)
 
 
+def planless_attention(step):
+    """step with PyTorch's attention choosing among the flash, memory-efficient
+    and math kernels, never cuDNN's: cuDNN builds a plan for each new
+    (queries, keys) shape, which an eager step meets at each new prompt length
+    (1.8 s for Mixtral's first 257-token prompt on an H100); the others need none."""
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return step(*args, **kwargs)
+    return run
+
+
 def decode_one_token(model: Transformer, token, input_pos, settings, kv_len=None, block_mask=None, block=None):
     """token: (1,) at position input_pos (1,) -> next token (1,) (settings:
     SamplingParams.on). Attention reads only the filled part of the cache:
@@ -286,7 +299,8 @@ class Steps:
         self._use_block(None)
         self.moe = moe = model.args.num_local_experts > 0
         self.largest_graph = MOE_GRAPH_TOKENS if moe else PREFILL_BUCKETS[-1]
-        self._prefill = forward
+        self.eager_forward = planless_attention(forward) if device.type == "cuda" else forward
+        self._prefill = self.eager_forward
         if compile_prefill and not moe:  # dynamic shapes, not graphed: a new length may compile again
             self._prefill = torch.compile(forward, fullgraph=True, dynamic=True, options=compile_options or {})
         self.graphed_forward = replayed(forward) if graphs else None  # (prefill and scoring share its graphs)
@@ -406,7 +420,8 @@ class Steps:
         new, pos, kv_len, graphed = self._padded(ids, start, model.max_seq_length, self.graphed_forward)
         at = None if last is None else torch.tensor([last], device=self.device)
         more = {} if depth is None else {"depth": depth}  # (so that a prefill's graphs serve it: one key)
-        out = (self.graphed_forward if graphed else forward)(model, new, pos, kv_len=kv_len, last=at, **more)
+        step = self.graphed_forward if graphed else self.eager_forward
+        out = step(model, new, pos, kv_len=kv_len, last=at, **more)
         out = out if last is not None else out[:, :len(ids)]
         return out.clone() if graphed else out
 
@@ -428,9 +443,22 @@ class Steps:
             logits = torch.zeros(1, self.model.args.vocab_size, device=self.device)
             for settings in variants:
                 self.sampler(logits, settings)
+        if self.moe and self.device.type == "cuda":
+            self._warm_eager_prefill()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self.graph_count()
+
+    def _warm_eager_prefill(self):
+        """An MoE prompt longer than its graphs runs eager. Two such prefills
+        here load the kernels that the first long prompt would otherwise wait
+        for: attention's, and the experts' for each count of their rows (on
+        an H100, Mixtral's first 200-token prompt took 367-471 ms against 224-244 steady)."""
+        for n in (self.largest_graph + 1, 5 * self.largest_graph):
+            n = min(n, self.max_seq_length)
+            ids = (torch.arange(n, device=self.device) % self.model.args.vocab_size)[None]
+            self._prefill(self.model, ids, self._tail(n), kv_len=self.max_seq_length,
+                          last=torch.zeros(1, dtype=torch.long, device=self.device))
 
     def _warm_decode(self):
         token = torch.zeros(1, dtype=torch.long, device=self.device)

@@ -15,7 +15,7 @@ import torch
 from brisklm.generate import Generator
 from brisklm.model import ModelArgs, build_model, random_state_dict
 from brisklm.sampling import SamplingParams
-from brisklm.steps import forward, prefill_shapes
+from brisklm.steps import forward, planless_attention, prefill_shapes
 
 ARGS = ModelArgs(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048)
@@ -249,3 +249,20 @@ def test_running_uncompiled_steps_never_imports_the_compiler():
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "False", done.stdout
+
+
+def test_eager_steps_on_cuda_keep_attention_off_cudnn():
+    """cuDNN's attention plans each new (queries, keys) shape: the eager step
+    (a CUDA MoE prefill past its graphs) runs with it off, and leaves the
+    caller's choice as it was."""
+    seen = []
+
+    def step(x):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
+        return x + 1
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert planless_attention(step)(1) == 2
+    assert seen == [(False, True, True, True)]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
