@@ -74,8 +74,11 @@ class OnePassReductions:
                             "fixed_config": FixedTritonConfig(dict(SHORT_REDUCTION_BLOCK))}
                 return kernel_kwargs
 
-            def uuid(self):  # for the compiler's cache key
-                return f"brisklm-one-pass-reductions-8192-short-ones-{sorted(SHORT_REDUCTION_BLOCK.items())}"
+            def uuid(self):  # for the compiler's cache key; also the few-rows kernels' blocks, which set
+                # the shape of their partial sums (a graph cached under other blocks expects another shape)
+                from .kernels import matmul
+                return (f"brisklm-one-pass-reductions-8192-short-ones-{sorted(SHORT_REDUCTION_BLOCK.items())}"
+                        f"-few-rows-{sorted(matmul.CONFIG.items())}-{matmul.HALVES}-{matmul.MIN_HALVES_GROUP}")
 
         return Choices()
 

@@ -352,6 +352,15 @@ def test_short_reductions_are_compiled_with_a_fixed_block(monkeypatch):
     key = choices.uuid()
     monkeypatch.setitem(SHORT_REDUCTION_BLOCK, "XBLOCK", 2 * SHORT_REDUCTION_BLOCK["XBLOCK"])
     assert choices.uuid() != key
+    # So are the few-rows kernels' blocks: they set the shape of the partial sums a cached graph
+    # expects (a verify step cached under the old blocks failed on an H100 after a change of them).
+    from brisklm.kernels import matmul
+    key = choices.uuid()
+    monkeypatch.setitem(matmul.CONFIG, matmul.ROW_SCALED, (64, 128, 4, 3, True, 528))
+    assert choices.uuid() != key
+    key = choices.uuid()
+    monkeypatch.setattr(matmul, "HALVES", ())
+    assert choices.uuid() != key
 
 
 

@@ -7,9 +7,12 @@ widens the whole matrix to the activation dtype first and then multiplies:
 it writes and reads the weight again at two or four times its size (a
 short prompt cost ten decode steps). Here each program loads a (BLOCK_N, BLOCK_K) tile of
 codes, widens it in registers and multiplies it with the rows of x on the
-tensor cores (tl.dot), accumulating in fp32; the slices of K (SPLIT_K) give
+tensor cores (tl.dot), accumulating in fp32. On Hopper the tile comes through
+the bulk tensor copy engine (TMA: weight_tiles), one instruction a tile (on
+an H100, the 8B int8 verify step at 5 rows 4.62 -> 3.75 ms with the blocks
+swept for it, 1.17 decode steps). The slices of K (SPLIT_K) give
 the GPU enough programs when N is small, and are summed by the caller. SWAP
-puts the weight tile first in the dot and x second (the int8 kernel's choice).
+puts the weight tile first in the dot and x second (dense's and int4 halves' choice).
 int4 codes in groups of 64 or more skip the conversion to floats
 (_int4_halves_kernel, HALVES): the high nibbles meet x's even columns and
 the low ones its odd columns in two dots, each code made the dot's operand
@@ -30,6 +33,7 @@ from . import interpreted
 from .gemv import available, early_launch, triton
 
 FEW_ROWS = 64  # up to this many tokens, a quantized Linear on a GPU uses these kernels
+TMA = True  # the weight tiles through the bulk tensor copy engine where it reads them (weight_tiles)
 
 ROW_SCALED, GROUPED_INT8, INT4, DENSE = 0, 1, 2, 3
 
@@ -41,9 +45,9 @@ if triton is not None:
     _ROW_SCALED, _INT4, _DENSE = tl.constexpr(ROW_SCALED), tl.constexpr(INT4), tl.constexpr(DENSE)
 
     @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
+    def _few_rows_kernel(x_ptr, w_ptr, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
                          KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
                          INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -62,11 +66,20 @@ if triton is not None:
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if KIND == _INT4:
                 half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :],
-                                mask=col_ok[:, None] & (half[None, :] < K // 2), other=0,
-                                eviction_policy="evict_first")
+                if TMA:
+                    pairs = w_desc.load([pid_n * BLOCK_N, k0 // 2])
+                else:
+                    pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :],
+                                    mask=col_ok[:, None] & (half[None, :] < K // 2), other=0,
+                                    eviction_policy="evict_first")
                 codes = tl.join(pairs >> 4, pairs & 15).reshape(BLOCK_N, BLOCK_K)  # even k first
                 w = codes.to(tl.float32) - 8.0
+            elif TMA:  # (the copy engine reads zeros past the matrix's edges: no masks)
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+                if KIND == _ROW_SCALED and not INTERPRET:
+                    w = w.to(x.dtype)  # (exact: |q| <= 127, and fp8's 3 mantissa bits)
+                elif KIND != _DENSE:
+                    w = w.to(tl.float32)
             elif KIND == _DENSE:
                 w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                             eviction_policy="evict_first")
@@ -97,9 +110,9 @@ if triton is not None:
 
 
     @triton.jit
-    def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
+    def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
                             GROUP: tl.constexpr, ONE: tl.constexpr, SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
                             INTERPRET: tl.constexpr, PDL: tl.constexpr):
         """int4 codes (N, K/2) times x (M, K) given as its even and odd columns
         (xe, xo: (M, K/2)): the high nibbles (even k) meet xe, the low ones
@@ -127,8 +140,11 @@ if triton is not None:
             for j in tl.static_range(BLOCK_K // GROUP):
                 g = k0 // GROUP + j
                 half = g * HALF + tl.arange(0, HALF)
-                pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :], mask=col_ok[:, None], other=0,
-                                eviction_policy="evict_first")
+                if TMA:
+                    pairs = w_desc.load([pid_n * BLOCK_N, g * HALF])
+                else:
+                    pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :], mask=col_ok[:, None], other=0,
+                                    eviction_policy="evict_first")
                 xe = tl.load(xe_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
                 xo = tl.load(xo_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
                 xs = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
@@ -160,12 +176,13 @@ def supported(x: torch.Tensor) -> bool:
 
 
 # Per weight kind: (BLOCK_N, BLOCK_K at most, warps, stages, SWAP, programs wanted); BLOCK_M is
-# the rows rounded up to 16. The fastest of a sweep on an H200 at 5 rows over the 8B shapes
-# (benchmarks/few_rows.py --sweep). Dense bf16 lost to cuBLAS there as a kernel alone, but won in
-# the compiled verify step, where ours launches early (fusion.DENSE_ROWS). Q8_0's scale per 32
-# inputs was not swept.
-CONFIG = {ROW_SCALED: (64, 128, 4, 3, True, 528), GROUPED_INT8: (64, 128, 4, 3, False, 264),
-          INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, False, 264)}
+# the rows rounded up to 16. The fastest of a sweep at 5 rows over the 8B shapes (benchmarks/
+# few_rows.py --sweep; int8 and dense on an H100 with the copy engine's tiles, int4 on an H200
+# before them, and again first on the H100). Dense bf16 lost to cuBLAS there as a kernel alone,
+# but won in the compiled verify step, where ours launches early (fusion.DENSE_ROWS). Q8_0's
+# scale per 32 inputs was not swept.
+CONFIG = {ROW_SCALED: (64, 256, 4, 3, False, 264), GROUPED_INT8: (64, 128, 4, 3, False, 264),
+          INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, True, 264)}
 
 # int4 through _int4_halves_kernel: (BLOCK_N, groups a step, warps, stages, SWAP, programs
 # wanted); BLOCK_M as blocks(). Empty: int4 through _few_rows_kernel's widened tile.
@@ -278,13 +295,29 @@ def _launch_halves(xe, xo, codes, scale, zero):
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
     pdl = early_launch(xe.device)  # (launched while the kernel before finishes, as the GEMVs are)
     # (contiguous: the compiler may hand a custom op other strides than eager code has)
-    _int4_halves_kernel[grid](xe.contiguous(), xo.contiguous(), codes, scale, zero, out, m, n, k, k // split,
+    desc = weight_tiles(codes, block_n, group // 2)
+    _int4_halves_kernel[grid](xe.contiguous(), xo.contiguous(), codes, desc, scale, zero, out, m, n, k, k // split,
                               per_x(xe, n) or n,
                               GROUP=group, ONE=0x4300 if xe.dtype == torch.bfloat16 else 0x5800,
                               SHIFT=0 if xe.dtype == torch.bfloat16 else 3, BLOCK_M=block_m,
-                              BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(),
-                              PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+                              BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, TMA=desc is not codes,
+                              INTERPRET=interpreted(), PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
+
+
+def weight_tiles(codes: torch.Tensor, rows: int, columns: int):
+    """A descriptor of codes' (rows, columns) tiles, for the bulk tensor copy
+    engine (Hopper's TMA; under the interpreter too, for the tests), where it
+    can read them (rows 16-byte aligned); else codes, read through pointers.
+    The copy engine fetches a whole tile with one instruction, and zeros
+    past the matrix's edges (no masks)."""
+    aligned = codes.dim() == 2 and codes.stride(1) == 1 and (codes.stride(0) * codes.element_size()) % 16 == 0 \
+        and codes.data_ptr() % 16 == 0
+    on_chip = interpreted() or (codes.is_cuda and torch.cuda.get_device_capability(codes.device)[0] >= 9)
+    if not (TMA and aligned and on_chip):
+        return codes
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(codes, [rows, columns])
 
 
 def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
@@ -315,10 +348,11 @@ def _launch(x, codes, scale, zero):
     k_per_split = -(-k // block_k) // split * block_k
     absent = codes if scale is None else scale  # (pointers the kernel's format does not read)
     pdl = early_launch(x.device)  # (launched while the kernel before finishes, as the GEMVs are)
-    _few_rows_kernel[grid](x.contiguous(), codes, absent, absent if zero is None else zero, out, m, n, k,
+    desc = weight_tiles(codes, block_n, block_k // 2 if kind == INT4 else block_k)
+    _few_rows_kernel[grid](x.contiguous(), codes, desc, absent, absent if zero is None else zero, out, m, n, k,
                            k_per_split, per_x(x, n) or n, KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=block_k, SWAP=swap, INTERPRET=interpreted(), PDL=pdl, num_warps=warps,
-                           num_stages=stages, launch_pdl=pdl)
+                           BLOCK_K=block_k, SWAP=swap, TMA=desc is not codes, INTERPRET=interpreted(), PDL=pdl,
+                           num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
 
 
