@@ -320,16 +320,20 @@ def read_prompt(args) -> str:
     return DEFAULT_PROMPT if args.prompt is None else args.prompt
 
 
+STDIN_WAIT_S = 2.0  # how long a pipe on stdin may take to bring its first bytes (or close)
+
+
 def stdin_has_input() -> bool:
-    """Whether stdin is a pipe or file with something to read now (not a
-    terminal, not /dev/null, not a pipe that nothing writes to yet)."""
+    """Whether stdin is a pipe or file with something to read (not a
+    terminal, not /dev/null, not a pipe that nothing writes to within
+    STDIN_WAIT_S: a slow writer's prompt is still the prompt)."""
     import select
     import stat
     try:
         info = os.fstat(sys.stdin.fileno())
         if stat.S_ISREG(info.st_mode):
             return info.st_size > 0
-        return stat.S_ISFIFO(info.st_mode) and bool(select.select([sys.stdin], [], [], 0)[0])
+        return stat.S_ISFIFO(info.st_mode) and bool(select.select([sys.stdin], [], [], STDIN_WAIT_S)[0])
     except (OSError, ValueError, AttributeError):
         return False
 
