@@ -4,15 +4,15 @@ then one dense matmul), at the Llama-3.1-8B shapes.
 
     PYTHONPATH=. python3 benchmarks/few_rows.py [--tokens 2,5,9,17,35,64]
 
-    PYTHONPATH=. python3 benchmarks/few_rows.py --sweep_halves   # blocks for matmul.HALVES
+    PYTHONPATH=. python3 benchmarks/few_rows.py --sweep_words   # blocks for matmul.WORDS
 
 Each weight is one of several copies used in turn, so that no timed read
 hits in L2. Prints, per format and token count, the microseconds for one
 layer's four matrices and the output layer, and the bytes of codes read per
 second as a fraction of the read ceiling measured in the same run. int4 in
-groups of 64 or more goes through x's even and odd halves (matmul.HALVES),
-in groups of 32 through the widened tile; the rows int4-g128-tile and
-int4-g32-halves are the same codes through the other kernel.
+groups of 64 or more goes through its codes read as words (matmul.WORDS),
+in groups of 32 through the widened tile; the row int4-g128-tile is the
+same codes as int4-g128 through the widened tile.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from brisklm.quantize import dequantize, quantize_fp8, quantize_int4, quantize_i
 SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336),
           "output": (128256, 4096)}
 
-# int4 by the other kernel than its default: g128 through the widened tile, g32 through the halves
-OTHER = {"int4-g128-tile": ((), 64), "int4-g32-halves": (None, 32)}  # (matmul.HALVES, MIN_HALVES_GROUP)
+# int4 g128 through the widened tile (matmul.WORDS off) instead of its words
+OTHER = {"int4-g128-tile": ()}
 
 
 def formats(w):
@@ -38,21 +38,18 @@ def formats(w):
     int4 = quantize_int4(w, 128, torch.bfloat16)
     int4_g32 = quantize_int4(w, 32, torch.bfloat16)
     return {"int8": quantize_int8(w), "int4-g128": int4, "int4-g128-tile": int4, "int4-g32": int4_g32,
-            "int4-g32-halves": int4_g32,
             "q8_0": {"int8": q8["int8"], "scale": q8["scale"].half()}, "fp8": quantize_fp8(w)}
 
 
-def with_halves(call, halves, smallest):
-    """call, run with matmul.HALVES = halves (None: as it is; (): int4 through the
-    widened tile) and matmul.MIN_HALVES_GROUP = smallest."""
+def with_words(call, words):
+    """call, run with matmul.WORDS = words (() : int4 through the widened tile)."""
     def run(x):
-        saved = matmul.HALVES, matmul.MIN_HALVES_GROUP
-        matmul.HALVES = saved[0] if halves is None else halves
-        matmul.MIN_HALVES_GROUP = smallest
+        saved = matmul.WORDS
+        matmul.WORDS = words
         try:
             return call(x)
         finally:
-            matmul.HALVES, matmul.MIN_HALVES_GROUP = saved
+            matmul.WORDS = saved
     return run
 
 
@@ -60,7 +57,7 @@ def kernel_and_widened(name, parts):
     """(few-rows call, widen-then-matmul call) for x (M, K) bf16."""
     if name in OTHER:
         few, widened = kernel_and_widened(name.rsplit("-", 1)[0], parts)
-        return with_halves(few, *OTHER[name]), widened
+        return with_words(few, OTHER[name]), widened
     if name.startswith("int4"):
         p, s, z = parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16()
         g = 2 * p.shape[1] // s.shape[1]
@@ -97,8 +94,8 @@ def graphed_us(calls, x, reps=24):
     return start.elapsed_time(end) * 1e3 / (3 * reps)
 
 
-def halves_grid():
-    """(BLOCK_N, groups a step, warps, stages, SWAP, programs) candidates for matmul.HALVES."""
+def words_grid():
+    """(BLOCK_N, groups a step, warps, stages, SWAP, programs) candidates for matmul.WORDS."""
     for swap in (True, False):
         for block_n in (32, 64, 128):
             for groups in (1, 2):
@@ -133,19 +130,19 @@ def use_config(kind):
     return use
 
 
-def use_halves(c):
-    matmul.HALVES = c
+def use_words(c):
+    matmul.WORDS = c
 
 
-def sweep(m=5, fmts=("bf16", "int8", "int4-g128-tile"), halves=False):
+def sweep(m=5, fmts=("bf16", "int8", "int4-g128-tile"), words=False):
     """One 8B layer's matrices and the output layer, M = m rows, per weight kind:
     every candidate of its grid (sweep_grid for matmul.CONFIG, the widened
-    tile's kernel; halves_grid for matmul.HALVES) (the best few printed, and
+    tile's kernel; words_grid for matmul.WORDS) (the best few printed, and
     the best per matrix), against cuBLAS (bf16) and one token through the decode GEMV."""
     device = torch.device("cuda")
     kinds = {f: k for f, k in {"bf16": matmul.DENSE, "int8": matmul.ROW_SCALED, "int4-g128-tile": matmul.INT4,
-                               "int4-g128": "halves"}.items() if f in fmts}
-    grid = list(halves_grid() if halves else sweep_grid())
+                               "int4-g128": "words"}.items() if f in fmts}
+    grid = list(words_grid() if words else sweep_grid())
     best = {}
     for fmt, kind in kinds.items():
         totals = {c: 0.0 for c in grid}
@@ -167,7 +164,7 @@ def sweep(m=5, fmts=("bf16", "int8", "int4-g128-tile"), halves=False):
                 refs["cublas"] += graphed_us([lambda x, p=p: F.linear(x, p) for p in parts], x)
             refs["gemv (1 token)"] += graphed_us([gemv_call(fmt, p) for p in parts], x1)
             for c in grid:
-                (use_halves if kind == "halves" else use_config(kind))(c)
+                (use_words if kind == "words" else use_config(kind))(c)
                 try:
                     t = graphed_us(calls, x)
                 except Exception as e:  # (a block that does not fit the chip's resources)
@@ -185,7 +182,7 @@ def sweep(m=5, fmts=("bf16", "int8", "int4-g128-tile"), halves=False):
         for name in SHAPES:
             c = min(grid, key=lambda c: per_shape[name, c])
             print(f"  best for {name}: {c} {per_shape[name, c]:.1f} us (chosen: {per_shape[name, ranked[0]]:.1f})")
-        (use_halves if kind == "halves" else use_config(kind))(ranked[0])
+        (use_words if kind == "words" else use_config(kind))(ranked[0])
     print("CONFIG = " + repr({kinds[f]: c for f, c in best.items()}))
 
 
@@ -194,11 +191,11 @@ def main():
     parser.add_argument("--tokens", default="2,5,9,17,35,64")
     parser.add_argument("--sweep", action="store_true", help="time other blocks (matmul.CONFIG) first")
     parser.add_argument("--sweep_only", action="store_true")
-    parser.add_argument("--sweep_halves", action="store_true", help="time blocks for matmul.HALVES first")
+    parser.add_argument("--sweep_words", action="store_true", help="time blocks for matmul.WORDS first")
     parser.add_argument("--rows", type=int, default=5, help="the sweeps' tokens")
     opts = parser.parse_args()
-    if opts.sweep_halves:
-        sweep(opts.rows, ("int4-g128",), halves=True)
+    if opts.sweep_words:
+        sweep(opts.rows, ("int4-g128",), words=True)
     if opts.sweep or opts.sweep_only:
         sweep(opts.rows)
         if opts.sweep_only:
@@ -209,7 +206,7 @@ def main():
     tokens = [int(t) for t in opts.tokens.split(",")]
     worst = {}
     rows = []
-    for fmt in ("int8", "int4-g128", "int4-g128-tile", "int4-g32", "int4-g32-halves", "q8_0", "fp8"):
+    for fmt in ("int8", "int4-g128", "int4-g128-tile", "int4-g32", "q8_0", "fp8"):
         total = {m: [0.0, 0.0] for m in tokens}
         code_bytes = 0
         for name, (n, k) in SHAPES.items():

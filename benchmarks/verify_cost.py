@@ -42,12 +42,12 @@ def main():
     p.add_argument("--rows", default="5,9", help="the verify step's rows (drafts + 1), one load each")
     p.add_argument("--position", type=int, default=512)
     p.add_argument("--tokens", type=int, default=256, help="new tokens of the plain run that times a decode step")
-    p.add_argument("--no_halves", action="store_true", help="int4 through the widened tile (matmul.HALVES off)")
+    p.add_argument("--no_words", action="store_true", help="int4 through the widened tile (matmul.WORDS off)")
     opts = p.parse_args()
     import brisklm
     from brisklm.kernels import matmul
-    if opts.no_halves:
-        matmul.HALVES = ()
+    if opts.no_words:
+        matmul.WORDS = ()
     from brisklm.bench import _prompt, _run
     for rows in (int(r) for r in opts.rows.split(",")):
         llm = brisklm.load(preset=opts.preset, device="cuda", quantize=opts.quantize, groupsize=opts.groupsize,
@@ -59,7 +59,7 @@ def main():
         llm.drafter = drafter
         times = verify_ms(llm, rows, opts.position)
         cells = " | ".join(f"{t:.2f} ({t / decode:.2f})" for t in times.values())
-        name = f"{opts.preset} {opts.quantize}{' (tile)' if opts.no_halves else ''}, {rows} rows"
+        name = f"{opts.preset} {opts.quantize}{' (tile)' if opts.no_words else ''}, {rows} rows"
         print(f"| {name} | {decode:.2f} | {cells} |", flush=True)
         del llm
         torch.cuda.empty_cache()

@@ -77,7 +77,7 @@ class OnePassReductions:
             def uuid(self):  # for the compiler's cache key; also the few-rows kernels' blocks, which set
                 # the shape of their partial sums (a graph cached under other blocks expects another shape)
                 matmul = sys.modules.get("brisklm.kernels.matmul")  # (looked up: the core imports no kernels)
-                blocks = (sorted(matmul.CONFIG.items()), matmul.HALVES, matmul.MIN_HALVES_GROUP) if matmul else ()
+                blocks = (sorted(matmul.CONFIG.items()), matmul.WORDS, matmul.MIN_WORDS_GROUP) if matmul else ()
                 return f"brisklm-one-pass-reductions-8192-short-ones-{sorted(SHORT_REDUCTION_BLOCK.items())}-{blocks}"
 
         return Choices()

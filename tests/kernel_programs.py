@@ -104,15 +104,15 @@ def gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes():
 
 def few_rows_matmul_matches_fp64_for_every_format(swap):
     """swap: the weight tile as the dot's first operand, or second. Every
-    format through the widened tile (int4 goes through x's halves by default:
-    int4_halves_matmul_matches_fp64)."""
+    format through the widened tile (int4 goes through its words by default:
+    int4_words_matmul_matches_fp64)."""
     torch.manual_seed(0)
-    config, halves = matmul.CONFIG, matmul.HALVES
-    matmul.CONFIG, matmul.HALVES = {kind: (32, 64, 4, 2, swap, 64) for kind in config}, ()
+    config, words = matmul.CONFIG, matmul.WORDS
+    matmul.CONFIG, matmul.WORDS = {kind: (32, 64, 4, 2, swap, 64) for kind in config}, ()
     try:
         return _few_rows_cases()
     finally:
-        matmul.CONFIG, matmul.HALVES = config, halves
+        matmul.CONFIG, matmul.WORDS = config, words
 
 
 def _few_rows_cases():
@@ -152,7 +152,7 @@ def _few_rows_cases():
 def rows_for_each_block_of_outputs(name, experts=3, n=48, k=128, m=5):
     """x (E, M, K) against codes of E blocks of N outputs stacked: each block
     meets its own rows (an MoE layer's w2, every expert in one launch). N = 48
-    is no multiple of the tests' BLOCK_N of 32 (or HALVES' 64): the tile halves."""
+    is no multiple of the tests' BLOCK_N of 32 (or WORDS' 64): the tile halves."""
     w = torch.randn(experts * n, k) * 0.02
     x = torch.randn(experts, m, k).to(torch.bfloat16)
     parts = quantize_int8(w) if name == "int8" else quantize_int4(w, int(name.split("-g")[1]), torch.bfloat16)
@@ -173,39 +173,48 @@ def rows_for_each_block_of_outputs(name, experts=3, n=48, k=128, m=5):
     return f"{name} rows for each of {experts} blocks"
 
 
-def int4_halves_matmul_matches_fp64():
-    """int4 codes times x's even and odd columns (matmul._int4_halves_kernel),
-    the weight tile first in the dot and second, against fp64; and the bits
-    that make a code the dot's operand in place of a conversion."""
+def int4_words_matmul_matches_fp64():
+    """int4 codes read as int32 words times x in four pieces
+    (matmul._int4_words_kernel), the weight tile first in the dot and second,
+    through the copy engine and through pointers, against fp64; and the bits
+    that make two codes of a word the dot's operands in place of a conversion
+    (the kernel's lop3 on a GPU: (word & mask) | one, here in torch)."""
     torch.manual_seed(0)
-    q = torch.arange(16, dtype=torch.int16)
-    assert torch.equal((q | 0x4300).view(torch.bfloat16).double(), 128.0 + q.double())
-    assert torch.equal(((q << 3) | 0x5800).view(torch.float16).double(), 128.0 + q.double())
-    checked, table = [], matmul.HALVES
+    word = torch.tensor([0x76543210, -0x1234568], dtype=torch.int32)  # (nibbles 0-7; and a negative word)
+    nibble = lambda w, bit: (w >> bit) & 15  # noqa: E731
+    for dtype, mask, one, up in ((torch.bfloat16, 0x000F000F, 0x43004300, 0), (torch.float16, 0x00780078, 0x58005800, 3)):
+        for sh in range(4):
+            shifted = (word << up) if sh == 0 and up else word >> (4 * sh - up)
+            pair = ((shifted & mask) | one).view(dtype)  # (low half first)
+            expected = torch.stack([nibble(word, 4 * sh), nibble(word, 4 * sh + 16)], -1).flatten() + 128.0
+            assert torch.equal(pair.double(), expected.double()), (dtype, sh)
+    x = torch.arange(16.0)[None]
+    assert matmul.x_pieces(x)[:, 0].tolist() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    checked, table = [], matmul.WORDS
     # (N, K, tokens, group): a ragged N, one block of rows and more, two groups a step and one
     for n, k, m, g in ((96, 256, 5, 32), (37, 512, 17, 128), (200, 384, matmul.FEW_ROWS, 64), (40, 192, 3, 64)):
         w = torch.randn(n, k) * 0.02
         parts = quantize_int4(w, g, torch.bfloat16)
-        chosen = matmul.halves_group(parts["int4"], parts["scale"], torch.zeros(1, k, dtype=torch.bfloat16))
+        chosen = matmul.words_group(parts["int4"], parts["scale"], torch.zeros(1, k, dtype=torch.bfloat16))
         assert chosen == (g if g >= 64 else None)  # (groups of 32 keep the widened tile)
         for dtype in (torch.bfloat16, torch.float16):
             x = torch.randn(m, k).to(dtype)
             scale, zero = parts["scale"].to(dtype), parts["zero"].to(dtype)
             ref = x.double() @ dequantize({**parts, "scale": scale, "zero": zero}).double().t()
-            for swap in (False, True):
-                matmul.HALVES, matmul.MIN_HALVES_GROUP = (32, 2, 4, 2, swap, 64), 32
+            for swap, tma in ((False, True), (True, True), (True, False)) if g >= 64 else ():
+                matmul.WORDS, matmul.TMA = (32, 2, 4, 2, swap, 64), tma
                 try:
                     y = matmul.few_rows_matmul(x, parts["int4"], scale, zero)
                 finally:
-                    matmul.HALVES, matmul.MIN_HALVES_GROUP = table, 64
+                    matmul.WORDS, matmul.TMA = table, True
                 # (136 xs taken back from the fp32 dot: ~1e-6, where the widened tile gets ~1e-7)
-                assert y.shape == (m, n) and relative_error(y.double(), ref) < 5e-6, (n, k, m, g, dtype, swap)
+                assert y.shape == (m, n) and relative_error(y.double(), ref) < 5e-6, (n, k, m, g, dtype, swap, tma)
         checked.append(f"{n}x{k}x{m} g{g}")
-    matmul.HALVES = (64, 2, 4, 2, True, 64)
+    matmul.WORDS = (64, 2, 4, 2, True, 64)
     try:
         checked.append(rows_for_each_block_of_outputs("int4-g64"))
     finally:
-        matmul.HALVES = table
+        matmul.WORDS = table
     # Compiled as a CUDA step runs it (the custom op, after a norm that inductor fuses): the same
     # sums. (x's sums per group made outside the kernel came from x before its rounding to bf16,
     # 136 times that rounding off: 1.7e-2 here.)
@@ -374,7 +383,7 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
     # bf16: one token's chosen experts read in place from the stacked weights (FusedLinear.expert_forward,
     # gemv.expert_gemv; Q8_0 has no such kernel and copies them out), against the experts' own modules (by_expert)
     with counted(gemv, "expert_gemv") as in_place:
-        for mode in ("int8", "int4", "int4-g64", "q8_0", "bf16"):  # (int4 in groups of 64: x's halves, HALVES)
+        for mode in ("int8", "int4", "int4-g64", "q8_0", "bf16"):  # (int4 in groups of 64: its words, WORDS)
             state = random_state_dict(moe, torch.bfloat16, std=0.1)
             fmt, group = mode.split("-g") if "-g" in mode else (mode, 32)
             qargs, qstate = (moe, state) if mode == "bf16" else quantize_state_dict(moe, state, fmt, int(group))
@@ -613,8 +622,9 @@ def custom_ops_fake_implementations_and_schemas():
     cases += [(matmul._few_rows_op, (rows, q4["int4"], scale, zero)),
               (matmul._few_rows_op, (rows, w8, None, None)),
               (matmul._few_rows_op, (rows, q8["int8"], q8["scale"].half(), None))]
-    cases.append((matmul._halves_op, (rows[:, 0::2].contiguous(), rows[:, 1::2].contiguous(), q4["int4"], scale,
-                                      zero)))  # (int4 in groups of 32: x's even and odd columns)
+    q64 = quantize_int4(w, 64, torch.bfloat16)  # (int4 in groups of 64: x in four pieces, codes as words)
+    cases.append((matmul._words_op, (matmul.x_pieces(rows), q64["int4"], q64["scale"].bfloat16(),
+                                     q64["zero"].bfloat16())))
     wf8 = quantize_fp8(w)["fp8"]
     assert gemv.uses_fp8_half(x, wf8)
     for int8, tokens in ((False, 1), (True, 1), (False, 3), (True, 3)):  # (one new token, and a few)

@@ -359,7 +359,7 @@ def test_short_reductions_are_compiled_with_a_fixed_block(monkeypatch):
     monkeypatch.setitem(matmul.CONFIG, matmul.ROW_SCALED, (64, 128, 4, 3, True, 528))
     assert choices.uuid() != key
     key = choices.uuid()
-    monkeypatch.setattr(matmul, "HALVES", ())
+    monkeypatch.setattr(matmul, "WORDS", ())
     assert choices.uuid() != key
 
 

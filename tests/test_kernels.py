@@ -32,7 +32,7 @@ LONG = {"gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes": 3,
         "custom_ops_fake_implementations_and_schemas": 4,
         "dp4a_kernels_represent_x_within_their_bound": 2,
         "attention_kernel_applies_the_q_k_norms_as_the_model_does": 1,
-        "int4_halves_matmul_matches_fp64": 8}
+        "int4_words_matmul_matches_fp64": 8}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_few_rows_matmul_matches_fp64_for_every_format(swap, interpreted):
 
 
 @pytest.mark.slow
-def test_int4_halves_matmul_matches_fp64(interpreted):
+def test_int4_words_matmul_matches_fp64(interpreted):
     assert interpreted == ["96x256x5 g32", "37x512x17 g128", "200x384x64 g64", "40x192x3 g64",
                            "int4-g64 rows for each of 3 blocks", "compiled"]
 
@@ -144,7 +144,7 @@ def test_model_decodes_the_same_through_the_attention_kernel(interpreted):
 
 @pytest.mark.slow
 def test_custom_ops_fake_implementations_and_schemas(interpreted):
-    assert interpreted == 17  # (every op, the few-rows matmul in three formats, int4's halves)
+    assert interpreted == 17  # (every op, the few-rows matmul in three formats, int4's words)
 
 
 def test_a_tuned_table_given_for_a_block_is_used_there_and_restored_after():

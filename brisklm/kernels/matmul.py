@@ -12,12 +12,14 @@ the bulk tensor copy engine (TMA: weight_tiles), one instruction a tile (on
 an H100, the 8B int8 verify step at 5 rows 4.62 -> 3.75 ms with the blocks
 swept for it, 1.17 decode steps). The slices of K (SPLIT_K) give
 the GPU enough programs when N is small, and are summed by the caller. SWAP
-puts the weight tile first in the dot and x second (dense's and int4 halves' choice).
+puts the weight tile first in the dot and x second (dense's and int4's choice).
 int4 codes in groups of 64 or more skip the conversion to floats
-(_int4_halves_kernel, HALVES): the high nibbles meet x's even columns and
-the low ones its odd columns in two dots, each code made the dot's operand
-by one OR of its bits, the group's scale and zero applied to the dot's sums
-(on an H100, 0.86x the widened tile's time at 2-9 rows, 0.65x at 17).
+(_int4_words_kernel, WORDS): read as int32 words, each word turned into
+the dot's operands two codes at a time by one lop3 of its bits (128 + q),
+x taken in four pieces whose columns match the codes' order in the words,
+the group's scale and zero applied to the dot's sums (on an H100, an 8B
+layer's matrices at 5 rows in 63 us against 103 for the kernel before it,
+which made each operand from a byte).
 
 Formats (quantize.py): int8 or fp8 (N, K) codes whose per-row scale the
 caller applies; int8 with a scale per group (GGUF Q8_0); int4 (N, K/2) with
@@ -109,59 +111,85 @@ if triton is not None:
         tl.store(out, tl.trans(acc) if SWAP else acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+    # Each lop3 makes two operands from one word of codes: (word & 0x000F000F) | ONE, two nibbles
+    # into the low mantissa bits of two 16-bit floats, 128 + q each (bf16: ONE = 128.0 twice;
+    # fp16: the nibbles shifted up 3 bits, ONE = 128.0 in fp16, whose unit there is 1/8).
+    _NIBBLES_BF16 = tl.constexpr("lop3.b32 $0, $1, 983055, 1124090624, 234;")
+    _NIBBLES_FP16 = tl.constexpr("lop3.b32 $0, $1, 7864440, 1476417536, 234;")
+
     @triton.jit
-    def _int4_halves_kernel(xe_ptr, xo_ptr, w_ptr, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
-                            GROUP: tl.constexpr, ONE: tl.constexpr, SHIFT: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-                            INTERPRET: tl.constexpr, PDL: tl.constexpr):
-        """int4 codes (N, K/2) times x (M, K) given as its even and odd columns
-        (xe, xo: (M, K/2)): the high nibbles (even k) meet xe, the low ones
-        xo, each a dot of its own, with no widening or reordering of the
-        tile. A code q enters the dot as 128 + q in x's dtype, exact, whose
-        bits are those of 128 (ONE) with q in the low mantissa bits (shifted
-        by SHIFT: 0 in bf16, 3 in fp16): an OR, no conversion. w = (q - 8) s
-        + z, so a group's sum is s (d - 136 xs) + z xs, d the group's dot and
-        xs its sum of x, taken here from the same loaded values (a sum made
-        elsewhere, from x before its rounding to x's dtype, is off by 136
-        times that rounding)."""
-        HALF: tl.constexpr = GROUP // 2
-        OFFSET: tl.constexpr = 128.0
+    def _nibble_operands(w, SH: tl.constexpr, FP16: tl.constexpr, INTERPRET: tl.constexpr,
+                         BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+        """(BLOCK_N, WORDS) int32 words of int4 codes -> (BLOCK_N, 2 WORDS)
+        operands 128 + q: the nibbles at bits 4 SH and 16 + 4 SH of each word
+        (word j of a group holds k = 8j..8j + 7; these are k = 8j + (SH ^ 1)
+        and 8j + (SH ^ 1) + 4: columns 2j and 2j + 1)."""
+        if INTERPRET:  # (no PTX there: the same numbers in fp32)
+            ws = w >> (4 * SH)
+            op = tl.join(ws & 15, (ws >> 16) & 15).to(tl.float32) + 128.0
+        else:
+            if FP16:
+                ws = (w << 3) if SH == 0 else (w >> (4 * SH - 3))
+            else:
+                ws = w >> (4 * SH)
+            op = tl.inline_asm_elementwise(_NIBBLES_FP16 if FP16 else _NIBBLES_BF16, "=r,r,r", [tl.join(ws, ws)],
+                                           dtype=tl.float16 if FP16 else tl.bfloat16, is_pure=True, pack=2)
+        return tl.reshape(op, (BLOCK_N, 2 * WORDS))
+
+    @triton.jit
+    def _int4_words_kernel(xq_ptr, w_ptr, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X, X_PIECE,
+                           GROUP: tl.constexpr, FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
+                           INTERPRET: tl.constexpr, PDL: tl.constexpr):
+        """int4 codes read as int32 words (N, K/8) times x in four pieces (xq:
+        (4, M, K/4), xq[c][:, 2j + t] = x[:, 8j + c + 4t], `x_pieces`): each
+        lop3 turns a word into two of the dot's operands, 128 + q
+        (_nibble_operands), the four shifts of a word meeting the four
+        pieces. w = (q - 8) s + z, so a group's sum is s d + (z - 136 s) xs,
+        d the dots and xs the group's sum of x, taken by the tensor cores from
+        the same loaded values (a dot with ones: a sum made elsewhere, from x
+        before its rounding to x's dtype, is off by 136 times that rounding)."""
+        WORDS: tl.constexpr = GROUP // 8
+        OFFSET: tl.constexpr = 136.0  # 128 in each operand, and the codes' 8
         _await_inputs(PDL)
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        x_block = (pid_n * BLOCK_N // N_PER_X) * M * (K // 2)  # (as in _few_rows_kernel)
-        xe_ptr += x_block
-        xo_ptr += x_block
+        xq_ptr += (pid_n * BLOCK_N // N_PER_X) * M * (K // 4)  # (as in _few_rows_kernel)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
-        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+        shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
+        acc = tl.zeros(shape, dtype=tl.float32)
+        ones = tl.full((BLOCK_N, 2 * WORDS), 1.0, tl.float32 if INTERPRET else xq_ptr.dtype.element_ty)
         k_first = split * K_PER_SPLIT
         for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
             for j in tl.static_range(BLOCK_K // GROUP):
                 g = k0 // GROUP + j
-                half = g * HALF + tl.arange(0, HALF)
                 if TMA:
-                    pairs = w_desc.load([pid_n * BLOCK_N, g * HALF])
+                    w = w_desc.load([pid_n * BLOCK_N, g * WORDS])
                 else:
-                    pairs = tl.load(w_ptr + cols[:, None] * (K // 2) + half[None, :], mask=col_ok[:, None], other=0,
-                                    eviction_policy="evict_first")
-                xe = tl.load(xe_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
-                xo = tl.load(xo_ptr + rows[:, None] * (K // 2) + half[None, :], mask=row_ok[:, None], other=0.0)
-                xs = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
-                if INTERPRET:  # (no bf16 dot there: the same numbers in fp32)
-                    hi, lo = (pairs >> 4).to(tl.float32) + OFFSET, (pairs & 15).to(tl.float32) + OFFSET
-                    xe, xo = xe.to(tl.float32), xo.to(tl.float32)
-                else:
-                    hi = (((pairs >> 4) << SHIFT).to(tl.int16) | ONE).to(xe.dtype, bitcast=True)
-                    lo = (((pairs & 15) << SHIFT).to(tl.int16) | ONE).to(xe.dtype, bitcast=True)
+                    w = tl.load(w_ptr + cols[:, None] * (K // 8) + g * WORDS + tl.arange(0, WORDS)[None, :],
+                                mask=col_ok[:, None], other=0, eviction_policy="evict_first")
+                piece = g * (2 * WORDS) + tl.arange(0, 2 * WORDS)
+                d = tl.zeros(shape, dtype=tl.float32)
+                xs = tl.zeros(shape, dtype=tl.float32)
+                for sh in tl.static_range(4):
+                    xc = tl.load(xq_ptr + (sh ^ 1) * X_PIECE + rows[:, None] * (K // 4) + piece[None, :],
+                                 mask=row_ok[:, None], other=0.0)
+                    if INTERPRET:
+                        xc = xc.to(tl.float32)
+                    op = _nibble_operands(w, sh, FP16, INTERPRET, BLOCK_N, WORDS)
+                    if SWAP:
+                        d = tl.dot(op, tl.trans(xc), d)
+                        xs = tl.dot(ones, tl.trans(xc), xs)
+                    else:
+                        d = tl.dot(xc, tl.trans(op), d)
+                        xs = tl.dot(xc, tl.trans(ones), xs)
                 s = tl.load(s_ptr + cols * (K // GROUP) + g, mask=col_ok, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + cols * (K // GROUP) + g, mask=col_ok, other=0.0).to(tl.float32)
                 if SWAP:
-                    d = tl.dot(lo, tl.trans(xo), tl.dot(hi, tl.trans(xe)))
-                    acc += s[:, None] * (d - (OFFSET + 8.0) * xs[None, :]) + z[:, None] * xs[None, :]
+                    acc += s[:, None] * d + (z - OFFSET * s)[:, None] * xs
                 else:
-                    d = tl.dot(xo, tl.trans(lo), tl.dot(xe, tl.trans(hi)))
-                    acc += (d - (OFFSET + 8.0) * xs[:, None]) * s[None, :] + xs[:, None] * z[None, :]
+                    acc += d * s[None, :] + xs * (z - OFFSET * s)[None, :]
         out = out_ptr + split * M * N
         if SWAP:
             tl.store(out + rows[None, :] * N + cols[:, None], acc, mask=row_ok[None, :] & col_ok[:, None])
@@ -184,10 +212,10 @@ def supported(x: torch.Tensor) -> bool:
 CONFIG = {ROW_SCALED: (64, 256, 4, 3, False, 264), GROUPED_INT8: (64, 128, 4, 3, False, 264),
           INT4: (32, 256, 4, 3, False, 528), DENSE: (64, 128, 4, 3, True, 264)}
 
-# int4 through _int4_halves_kernel: (BLOCK_N, groups a step, warps, stages, SWAP, programs
+# int4 through _int4_words_kernel: (BLOCK_N, groups a step, warps, stages, SWAP, programs
 # wanted); BLOCK_M as blocks(). Empty: int4 through _few_rows_kernel's widened tile.
-HALVES = (64, 2, 4, 3, True, 528)
-MIN_HALVES_GROUP = 64
+WORDS = (64, 2, 4, 3, True, 528)
+MIN_WORDS_GROUP = 64  # (a group's quarter is the dot's depth, at least 16)
 
 
 def blocks(kind: int, m: int, n: int, k: int, group: int | None, per_x: int = 0) -> tuple[int, ...]:
@@ -231,9 +259,9 @@ def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | 
     K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
     weights (N, K) in x's dtype. x (E, M, K): rows of their own for each
     block of N/E outputs (an MoE layer's experts stacked as one matrix)."""
-    if halves_group(codes, scale, x):
-        xe, xo = x[..., 0::2].contiguous(), x[..., 1::2].contiguous()  # (in a compiled step: made with x)
-        partial = (_halves_op if _traced(codes) else _launch_halves)(xe, xo, codes, scale, zero)
+    if words_group(codes, scale, x):
+        xq = x_pieces(x)  # (in a compiled step: made with x)
+        partial = (_words_op if _traced(codes) else _launch_words)(xq, codes, scale, zero)
     else:
         partial = (_few_rows_op if _traced(codes) else _launch)(x, codes, scale, zero)
     return partial[0] if len(partial) == 1 else partial.sum(0)  # (outside the op: a compiled step fuses it)
@@ -245,22 +273,28 @@ def _traced(codes) -> bool:
     return codes.is_cuda and not interpreted() and torch.compiler.is_compiling()
 
 
-def halves_group(codes: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> int | None:
-    """The group of int4 codes read by _int4_halves_kernel (HALVES), else None:
-    groups of 64 or more (at 32, GGUF's Q4_0 and Q4_1, the halves measured
-    only 4% faster at the 8B shapes, too little for the copy of x's halves
-    that a compiled step makes in a kernel of its own after the attention
-    kernel), a bf16 or fp16 x. (The kernel reads groups of 32 too: half a
-    group is the dot's depth, at least 16.)"""
-    if codes.dtype != torch.uint8 or not HALVES or x.dtype not in (torch.bfloat16, torch.float16):
+def words_group(codes: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor) -> int | None:
+    """The group of int4 codes read by _int4_words_kernel (WORDS), else None:
+    groups of a power of two from 64 (at 32, GGUF's Q4_0 and Q4_1, a quarter
+    group is too shallow for the dot), codes that read as int32 words, a
+    bf16 or fp16 x."""
+    if codes.dtype != torch.uint8 or not WORDS or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     group = x.shape[-1] // scale.shape[1]
-    return group if group >= MIN_HALVES_GROUP else None
+    words = codes.dim() == 2 and codes.stride(1) == 1 and codes.shape[1] % 4 == 0 and codes.stride(0) % 4 == 0 \
+        and codes.storage_offset() % 4 == 0
+    return group if words and group >= MIN_WORDS_GROUP and group & (group - 1) == 0 else None
 
 
-def halves_blocks(m: int, n: int, k: int, group: int, per_x: int = 0) -> tuple[int, ...]:
+def x_pieces(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) as the four pieces _int4_words_kernel reads, (4, ..., K/4):
+    piece c holds inputs 8j + c and 8j + c + 4 at columns 2j and 2j + 1."""
+    return x.unflatten(-1, (-1, 2, 4)).movedim(-1, 0).flatten(-2).contiguous()
+
+
+def words_blocks(m: int, n: int, k: int, group: int, per_x: int = 0) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP), as blocks()."""
-    block_n, groups, warps, stages, swap, programs = HALVES
+    block_n, groups, warps, stages, swap, programs = WORDS
     block_n = whole_tiles(block_n, per_x)
     block_k = group * groups
     while k % block_k:
@@ -278,30 +312,29 @@ def per_x(x: torch.Tensor, n: int) -> int:
     return n // x.shape[0]
 
 
-def _halves_shape(xe, codes, scale):
-    """(K, group, the empty partial sums (SPLIT_K, M, N), halves_blocks())."""
-    (m, k), n = (xe.shape[-2], 2 * xe.shape[-1]), codes.shape[0]
+def _words_shape(xq, codes, scale):
+    """(K, group, the empty partial sums (SPLIT_K, M, N), words_blocks())."""
+    (m, k), n = (xq.shape[-2], 4 * xq.shape[-1]), codes.shape[0]
     group = k // scale.shape[1]
-    chosen = halves_blocks(m, n, k, group, per_x(xe, n))
-    return k, group, xe.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
+    chosen = words_blocks(m, n, k, group, per_x(xq[0], n))
+    return k, group, xq.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
 
 
-def _launch_halves(xe, xo, codes, scale, zero):
+def _launch_words(xq, codes, scale, zero):
     """The split-K partial sums (SPLIT_K, M, N) in fp32."""
-    k, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _halves_shape(xe, codes, scale)
-    m, n = xe.shape[-2], codes.shape[0]
+    k, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _words_shape(xq, codes, scale)
+    m, n = xq.shape[-2], codes.shape[0]
     if k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
+    words = codes.view(torch.int32)
+    desc = weight_tiles(words, block_n, group // 8)
+    xq = xq.contiguous()  # (the compiler may hand a custom op other strides than eager code has)
     grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
-    pdl = early_launch(xe.device)  # (launched while the kernel before finishes, as the GEMVs are)
-    # (contiguous: the compiler may hand a custom op other strides than eager code has)
-    desc = weight_tiles(codes, block_n, group // 2)
-    _int4_halves_kernel[grid](xe.contiguous(), xo.contiguous(), codes, desc, scale, zero, out, m, n, k, k // split,
-                              per_x(xe, n) or n,
-                              GROUP=group, ONE=0x4300 if xe.dtype == torch.bfloat16 else 0x5800,
-                              SHIFT=0 if xe.dtype == torch.bfloat16 else 3, BLOCK_M=block_m,
-                              BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, TMA=desc is not codes,
-                              INTERPRET=interpreted(), PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    pdl = early_launch(xq.device)  # (launched while the kernel before finishes, as the GEMVs are)
+    _int4_words_kernel[grid](xq, words, desc, scale, zero, out, m, n, k, k // split, per_x(xq[0], n) or n,
+                             xq[0].numel(), GROUP=group, FP16=xq.dtype == torch.float16, BLOCK_M=block_m,
+                             BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, TMA=desc is not words,
+                             INTERPRET=interpreted(), PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
 
 
@@ -362,8 +395,8 @@ if triton is not None:  # opaque to the compiler, which would otherwise widen th
 
     _few_rows_op.register_fake(lambda x, codes, scale, zero: _launch_shape(x, codes, scale)[2])
 
-    _halves_op = torch.library.custom_op(
-        "brisklm::int4_halves_matmul", _launch_halves, mutates_args=(),
-        schema="(Tensor xe, Tensor xo, Tensor codes, Tensor scale, Tensor zero) -> Tensor")
+    _words_op = torch.library.custom_op(
+        "brisklm::int4_words_matmul", _launch_words, mutates_args=(),
+        schema="(Tensor xq, Tensor codes, Tensor scale, Tensor zero) -> Tensor")
 
-    _halves_op.register_fake(lambda xe, xo, codes, scale, zero: _halves_shape(xe, codes, scale)[2])
+    _words_op.register_fake(lambda xq, codes, scale, zero: _words_shape(xq, codes, scale)[2])
