@@ -281,8 +281,7 @@ def words_group(codes: torch.Tensor, scale: torch.Tensor | None, x: torch.Tensor
     if codes.dtype != torch.uint8 or not WORDS or x.dtype not in (torch.bfloat16, torch.float16):
         return None
     group = x.shape[-1] // scale.shape[1]
-    words = codes.dim() == 2 and codes.stride(1) == 1 and codes.shape[1] % 4 == 0 and codes.stride(0) % 4 == 0 \
-        and codes.storage_offset() % 4 == 0
+    words = codes.dim() == 2 and codes.stride(1) == 1 and codes.shape[1] % 4 == 0 and codes.stride(0) % 4 == 0
     return group if words and group >= MIN_WORDS_GROUP and group & (group - 1) == 0 else None
 
 
