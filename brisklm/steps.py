@@ -100,7 +100,7 @@ def planless_attention(step):
     """step with PyTorch's attention choosing among the flash, memory-efficient
     and math kernels, never cuDNN's: cuDNN builds a plan for each new
     (queries, keys) shape, which an eager step meets at each new prompt length
-    (1.8 s for Mixtral's first 257-token prompt on an H100); the others need none."""
+    (up to a second or more; RESULTS.md); the others need none."""
     @functools.wraps(step)
     def run(*args, **kwargs):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -455,8 +455,7 @@ class Steps:
     def _warm_eager_prefill(self):
         """An MoE prompt longer than its graphs runs eager. Two such prefills
         here load the kernels that the first long prompt would otherwise wait
-        for: attention's, and the experts' for each count of their rows (on
-        an H100, Mixtral's first 200-token prompt took 367-471 ms against 224-244 steady)."""
+        for: attention's, and the experts' for each count of their rows."""
         for n in (self.largest_graph + 1, 5 * self.largest_graph):
             n = min(n, self.max_seq_length)
             ids = (torch.arange(n, device=self.device) % self.model.args.vocab_size)[None]

@@ -8,18 +8,17 @@ it writes and reads the weight again at two or four times its size (a
 short prompt cost ten decode steps). Here each program loads a (BLOCK_N, BLOCK_K) tile of
 codes, widens it in registers and multiplies it with the rows of x on the
 tensor cores (tl.dot), accumulating in fp32. On Hopper the tile comes through
-the bulk tensor copy engine (TMA: weight_tiles), one instruction a tile (on
-an H100, the 8B int8 verify step at 5 rows 4.62 -> 3.75 ms with the blocks
-swept for it, 1.17 decode steps). The slices of K (SPLIT_K) give
+the bulk tensor copy engine (TMA: weight_tiles), one instruction a tile: the
+tile's loads, not its dot, set its time. The slices of K (SPLIT_K) give
 the GPU enough programs when N is small, and are summed by the caller. SWAP
 puts the weight tile first in the dot and x second (dense's and int4's choice).
 int4 codes in groups of 64 or more skip the conversion to floats
 (_int4_words_kernel, WORDS): read as int32 words, each word turned into
 the dot's operands two codes at a time by one lop3 of its bits (128 + q),
 x taken in four pieces whose columns match the codes' order in the words,
-the group's scale and zero applied to the dot's sums (on an H100, an 8B
-layer's int4 g128 matrices at 5 rows in 72 us against 103 for the kernel
-before it, which made each operand from a byte; the one-token GEMV: 50).
+the group's scale and zero applied to the dot's sums (making each operand
+from a byte, as before, cost more than the codes' reads). Figures:
+benchmarks/RESULTS.md, "Speculative decoding on the H200".
 
 Formats (quantize.py): int8 or fp8 (N, K) codes whose per-row scale the
 caller applies; int8 with a scale per group (GGUF Q8_0); int4 (N, K/2) with
