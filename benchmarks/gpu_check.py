@@ -13,8 +13,8 @@
    on the same model;
 3. an MoE layer's one-token step with its chosen experts read in place
    (fusion.FusedLinear.expert_forward, gemv.expert_gemv), and a short prompt's
-   16 rows through every expert (w13 of all experts in one launch:
-   FusedLinear.experts_forward), eager and compiled, against the experts' own
+   16 rows, each expert with its own tokens' rows (w13 of all experts in one
+   launch: FusedLinear.experts_forward), eager and compiled, against the experts' own
    modules, in bf16 with int8, int4, Q8_0 and bf16 experts;
 4. `brisk generate --preset llama-3.1-8b --compile` end to end through the CLI;
 5. with --gguf: the bundled SmolLM2 on CUDA, compiled, answers "Paris".
@@ -95,7 +95,7 @@ def check_experts_in_place():
         model.prepare()
         ffn = model.layers[0].feed_forward
         assert isinstance(ffn.experts[0].w13, FusedLinear)
-        for way, m in (("by_slot", 1), ("by_every_expert", 16)):
+        for way, m in (("by_slot", 1), ("by_expert_rows", 16)):
             x = torch.randn(m, 512, device=DEVICE, dtype=torch.bfloat16)
             weights, chosen = ffn.route(x)
             with torch.no_grad():

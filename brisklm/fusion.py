@@ -18,8 +18,9 @@ only place a kernel route is chosen:
   read in place from the stacked weights, at their index on the device
   (FusedLinear.expert_forward, gemv.expert_gemv), where the plain format
   copies each one out first; a few tokens that run every expert read all
-  their w13 matrices in one launch and all their w2 matrices, each with its
-  own expert's rows, in another (FusedLinear.experts_forward);
+  their w13 matrices in one launch and all their w2 matrices in another,
+  each expert with its own tokens' rows, where an expert no token chose
+  is not read (FusedLinear.experts_forward);
 - Attention becomes FusedAttention (the same modules): one token's RoPE, cache write and
   attention in one kernel (kernels/attention.py) that reads the filled
   length on the device, so a decode step needs no host value and replays
@@ -67,10 +68,11 @@ class Route:
     def expert(self, w, part: dict, x, e):
         return None
 
-    def every_expert(self, w, part: dict, x):
+    def every_expert(self, w, part: dict, x, counts=None):
         """x (M, K), or each expert's own rows (E, M, K), times every expert's
         matrix at once, `part` holding them stacked (E, N, ...): (M, E * N) as
-        one matrix of E * N rows."""
+        one matrix of E * N rows. counts (E,): the rows of x that are real
+        for each expert (the rest may be skipped, summed as zeros)."""
         return None
 
 
@@ -118,7 +120,7 @@ class DenseRoute(Route):
         y = gemv.expert_gemv(x, part["weight"], e)
         return None if y is None else y.sum(0)
 
-    def every_expert(self, w, part, x):
+    def every_expert(self, w, part, x, counts=None):
         if x.dim() == 3:
             return torch.bmm(x, part["weight"].transpose(1, 2)).transpose(0, 1).flatten(1)
         return F.linear(x, part["weight"].flatten(0, 1))
@@ -141,9 +143,10 @@ class Int4Route(Route):
         y = gemv.expert_gemv(x, part["packed"], e, part["scale"], part["zero"]) if w.padded == w.in_features else None
         return None if y is None else y.sum(0)
 
-    def every_expert(self, w, part, x):
+    def every_expert(self, w, part, x, counts=None):
         x = F.pad(x, (0, w.padded - w.in_features)) if w.padded != w.in_features else x
-        return matmul.few_rows_matmul(x, *(part[name].flatten(0, 1) for name in ("packed", "scale", "zero")))
+        return matmul.few_rows_matmul(x, *(part[name].flatten(0, 1) for name in ("packed", "scale", "zero")),
+                                      counts=counts)
 
 
 @route(ScaledWeightOnlyLinear)
@@ -158,8 +161,8 @@ class ScaledRoute(Route):  # int8 and fp8 (measured no gain from folding the nor
         y = gemv.expert_gemv(x, part["weight"], e)  # (None for codes the kernel takes not: fp8)
         return None if y is None else y.sum(0) * part["scale"].index_select(0, e)[0].float()
 
-    def every_expert(self, w, part, x):
-        return matmul.few_rows_matmul(x, part["weight"].flatten(0, 1)) * part["scale"].flatten()
+    def every_expert(self, w, part, x, counts=None):
+        return matmul.few_rows_matmul(x, part["weight"].flatten(0, 1), counts=counts) * part["scale"].flatten()
 
 
 @route(GroupedInt8Linear)
@@ -173,8 +176,8 @@ class GroupedInt8Route(Route):  # Q8_0
     def few_rows(self, w, x):
         return matmul.few_rows_matmul(x, w.weight, w.scale)
 
-    def every_expert(self, w, part, x):
-        return matmul.few_rows_matmul(x, part["weight"].flatten(0, 1), part["scale"].flatten(0, 1))
+    def every_expert(self, w, part, x, counts=None):
+        return matmul.few_rows_matmul(x, part["weight"].flatten(0, 1), part["scale"].flatten(0, 1), counts=counts)
 
 
 class FusedLinear(WeightFormat):
@@ -210,15 +213,16 @@ class FusedLinear(WeightFormat):
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def experts_forward(self, stacked, x):
+    def experts_forward(self, stacked, x, counts=None):
         """Every expert's matrix as one of E * N rows, where the route has a
-        kernel for it (a few rows): one launch reads them all."""
+        kernel for it (a few rows): one launch reads them all (but those of
+        experts with no rows, where counts says so)."""
         parts = {name.removeprefix("inner."): t for name, t in stacked.items()}
         fits = self.bias is None and all(t.numel() < 2**31 for t in parts.values())  # (the kernels' int32 offsets)
         rows = x[0] if x.dim() == 3 else x
-        y = self.route.every_expert(self.inner, parts, x) if fits and matmul.supported(rows) else None
+        y = self.route.every_expert(self.inner, parts, x, counts) if fits and matmul.supported(rows) else None
         if y is None:
-            return super().experts_forward(stacked, x)
+            return super().experts_forward(stacked, x, counts)
         y = y.view(rows.shape[0], -1, self.out_features).transpose(0, 1)  # (E, M, N), each expert's rows together:
         return y.to(x.dtype, memory_format=torch.contiguous_format)  # (the cast lays them out)
 

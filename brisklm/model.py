@@ -334,10 +334,12 @@ class WeightFormat(nn.Module):
         (1,) tensor on the device). Here: e's tensors indexed out, then forward."""
         return torch.func.functional_call(self, {name: t.index_select(0, e)[0] for name, t in stacked.items()}, (x,))
 
-    def experts_forward(self, stacked: dict[str, torch.Tensor], x):
+    def experts_forward(self, stacked: dict[str, torch.Tensor], x, counts: torch.Tensor | None = None):
         """x (M, in_features), or each expert's own rows (E, M, in_features),
         times every expert's matrix: (E, M, out_features), `stacked` as for
-        expert_forward. Here: one expert after another."""
+        expert_forward; counts (E,): the rows of x that are real for each
+        expert (the others' outputs are unused). Here: one expert after
+        another, every row."""
         experts = next(iter(stacked.values())).shape[0]
         return torch.stack([torch.func.functional_call(self, {name: t[e] for name, t in stacked.items()},
                                                        (x[e] if x.dim() == 3 else x,)) for e in range(experts)])
@@ -452,9 +454,11 @@ class MoEFeedForward(nn.Module):
     the host: `prepare` has stacked every expert's tensors into one tensor
     per name, and each token's chosen experts are indexed on the device
     (`by_slot`), so a decode step reads only the chosen experts' weights;
-    where the tokens choose as many experts as there are, every expert runs
-    on every token, weighted 0 where not chosen (`by_every_expert`: each
-    expert's weights read once, as a short prefill must anyway)."""
+    where the tokens choose as many experts as there are, each expert's
+    tokens are gathered on the device into rows of its own, as many as
+    there are tokens, of which the kernels read only the real ones
+    (`by_expert_rows`: each chosen expert's weights read once, as a short
+    prefill must anyway)."""
 
     DEVICE_ROWS = 64  # on CUDA, inputs of up to this many tokens never read the choice on the host
 
@@ -482,18 +486,22 @@ class MoEFeedForward(nn.Module):
         elif rows.shape[0] * self.top_k < len(self.experts):
             y = self.by_slot(rows, weights, chosen)
         else:
-            y = self.by_every_expert(rows, weights, chosen)
+            y = self.by_expert_rows(rows, weights, chosen)
         return y.to(x.dtype).reshape(x.shape)
 
-    def by_every_expert(self, x, weights, chosen):
+    def by_expert_rows(self, x, weights, chosen):
         if self.stacked is None:
             self.stack()
-        expert = self.experts[0]
-        share = weights.new_zeros(x.shape[0], len(self.experts)).scatter_(1, chosen, weights)  # (M, E), 0: not chosen
-        gate, up = expert.w13.experts_forward(self.stacked["w13"], x).split(expert.intermediate_size, dim=-1)
-        h = expert.act(gate) * up  # (E, M, I)
-        y = expert.w2.experts_forward(self.stacked["w2"], h)  # (E, M, C)
-        return (y.float() * share.t()[:, :, None]).sum(0)
+        expert, (m, k) = self.experts[0], chosen.shape
+        picks = chosen.flatten()  # (M k): token t's choices at t k .. t k + k - 1
+        one_hot = F.one_hot(picks, len(self.experts))  # (M k, E)
+        place = ((one_hot.cumsum(0) - 1) * one_hot).sum(1)  # each pick's row among its expert's
+        token = torch.arange(m * k, device=x.device) // k
+        rows = torch.zeros(len(self.experts), m, dtype=torch.long, device=x.device).index_put_((picks, place), token)
+        counts = one_hot.sum(0)  # (E,): rows past an expert's count hold token 0, unused
+        gate, up = expert.w13.experts_forward(self.stacked["w13"], x[rows], counts).split(expert.intermediate_size, -1)
+        y = expert.w2.experts_forward(self.stacked["w2"], expert.act(gate) * up, counts)  # (E, M, C)
+        return (y[picks, place].float() * weights.reshape(-1, 1)).view(m, k, -1).sum(1)
 
     def by_expert(self, x, weights, chosen):
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

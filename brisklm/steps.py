@@ -239,8 +239,8 @@ def random_state_left_alone():
 
 # Prompt lengths a graphed prefill pads to (longer prompts run in chunks of the last).
 PREFILL_BUCKETS = (16, 32, 64, 128, 256)
-# An MoE model's graphs hold up to this many tokens: in a graph every expert runs on
-# every token (MoEFeedForward.by_every_expert); a longer prompt runs eager, grouped by expert.
+# An MoE model's graphs hold up to this many tokens: in a graph each expert's tokens are
+# gathered on the device (MoEFeedForward.by_expert_rows); a longer prompt runs eager, grouped by expert.
 MOE_GRAPH_TOKENS = MoEFeedForward.DEVICE_ROWS
 
 

@@ -41,7 +41,7 @@ def relative_error(got, want) -> float:
 def counted(module, name):
     """module.name wrapped to count its calls (one list entry a call), restored after."""
     calls, original = [], getattr(module, name)
-    setattr(module, name, lambda *a: calls.append(1) or original(*a))
+    setattr(module, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
     try:
         yield calls
     finally:
@@ -146,6 +146,7 @@ def _few_rows_cases():
             checked.append(f"{n}x{k}x{m} {name}")
     for name in ("int8", "int4-g32"):
         checked.append(rows_for_each_block_of_outputs(name))
+        checked.append(rows_counted_for_each_block(name))
     return checked
 
 
@@ -171,6 +172,29 @@ def rows_for_each_block_of_outputs(name, experts=3, n=48, k=128, m=5):
     except ValueError as e:
         assert "144 outputs" in str(e), e
     return f"{name} rows for each of {experts} blocks"
+
+
+def rows_counted_for_each_block(name, experts=3, n=48, k=128, m=40):
+    """x (E, M, K) with counts[e] real rows in block e (an MoE layer's experts,
+    each with its own tokens' rows): those match fp64, the rest are zeros,
+    through a tile of rows past the count (none real: 0), one partly
+    filled (5) and two whole (40, COUNTED_ROWS a tile)."""
+    w = torch.randn(experts * n, k) * 0.02
+    x = torch.randn(experts, m, k).to(torch.bfloat16)
+    counts = torch.tensor([5, 0, 40])
+    parts = quantize_int8(w) if name == "int8" else quantize_int4(w, int(name.split("-g")[1]), torch.bfloat16)
+    dense = dequantize(parts).double()
+    ref = torch.cat([x[e].double() @ dense[e * n:(e + 1) * n].t() for e in range(experts)], 1)
+    for e, count in enumerate(counts.tolist()):
+        ref[count:, e * n:(e + 1) * n] = 0
+    if name == "int8":
+        y = matmul.few_rows_matmul(x, parts["int8"], counts=counts) * parts["scale"]
+    else:
+        y = matmul.few_rows_matmul(x, parts["int4"], parts["scale"].bfloat16(), parts["zero"].bfloat16(), counts=counts)
+    assert matmul.rows_and_split(m, n, 4, 16, 64, counted=True)[0] == matmul.COUNTED_ROWS < m
+    assert y.shape == (m, experts * n) and relative_error(y.double(), ref) < 5e-6, name
+    assert not y[5:, :n].any() and not y[:, n:2 * n].any(), name
+    return f"{name} rows counted for each of {experts} blocks"
 
 
 def int4_words_matmul_matches_fp64():
@@ -213,6 +237,7 @@ def int4_words_matmul_matches_fp64():
     matmul.WORDS = (64, 2, 4, 2, True, 64)
     try:
         checked.append(rows_for_each_block_of_outputs("int4-g64"))
+        checked.append(rows_counted_for_each_block("int4-g64"))
     finally:
         matmul.WORDS = table
     # Compiled as a CUDA step runs it (the custom op, after a norm that inductor fuses): the same
@@ -402,14 +427,14 @@ def quantized_model_through_the_kernels_matches_its_dequantized_weights():
             err = relative_error(got, want)
             assert err < 2e-2, (mode, err)
             checked.append(f"in place {mode}")
-            # a short prompt's rows through every expert (FusedLinear.experts_forward): w13 of all four in one
-            # launch, then w2 of all four in another, each expert's matrix with its own rows
+            # a short prompt's rows, each expert's tokens gathered into its own (FusedLinear.experts_forward):
+            # w13 of all four in one launch, then w2 of all four in another, each reading its counted rows
             with torch.no_grad():
                 x = torch.randn(8, 64).bfloat16()
                 weights, chosen = ffn.route(x)
                 want = ffn.by_expert(x, weights, chosen)
                 with counted(matmul, "few_rows_matmul") as launches:
-                    got = ffn.by_every_expert(x, weights, chosen)
+                    got = ffn.by_expert_rows(x, weights, chosen)
             # (bf16: both through cuBLAS)
             assert len(launches) == (0 if mode == "bf16" else 2), (mode, len(launches))
             err = relative_error(got, want)
@@ -619,12 +644,16 @@ def custom_ops_fake_implementations_and_schemas():
     q8 = quantize_int8(w, 32)  # GGUF Q8_0: a scale per 32 inputs
     cases.append((gemv._int8_group_dp4a_op, (x, q8["int8"], q8["scale"].half(), list(gemv.config("8gd", 40, 64, 32)))))
     rows = torch.randn(3, 64).to(torch.bfloat16)  # (a verify step's few tokens: split-K partial sums)
-    cases += [(matmul._few_rows_op, (rows, q4["int4"], scale, zero)),
-              (matmul._few_rows_op, (rows, w8, None, None)),
-              (matmul._few_rows_op, (rows, q8["int8"], q8["scale"].half(), None))]
+    cases += [(matmul._few_rows_op, (rows, q4["int4"], scale, zero, None)),
+              (matmul._few_rows_op, (rows, w8, None, None, None)),
+              (matmul._few_rows_op, (rows, q8["int8"], q8["scale"].half(), None, None))]
     q64 = quantize_int4(w, 64, torch.bfloat16)  # (int4 in groups of 64: x in four pieces, codes as words)
     cases.append((matmul._words_op, (matmul.x_pieces(rows), q64["int4"], q64["scale"].bfloat16(),
-                                     q64["zero"].bfloat16())))
+                                     q64["zero"].bfloat16(), None)))
+    experts_rows, counts = torch.randn(2, 3, 64).to(torch.bfloat16), torch.tensor([3, 1])  # (an MoE layer's)
+    cases += [(matmul._few_rows_op, (experts_rows, w8[:32], None, None, counts)),
+              (matmul._words_op, (matmul.x_pieces(experts_rows), q64["int4"][:32], q64["scale"][:32].bfloat16(),
+                                  q64["zero"][:32].bfloat16(), counts))]
     wf8 = quantize_fp8(w)["fp8"]
     assert gemv.uses_fp8_half(x, wf8)
     for int8, tokens in ((False, 1), (True, 1), (False, 3), (True, 3)):  # (one new token, and a few)

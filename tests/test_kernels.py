@@ -85,14 +85,16 @@ def test_gemv_kernels_match_fp64_at_smollm2_and_ragged_shapes(interpreted):
 @pytest.mark.slow
 @pytest.mark.parametrize("swap", [False, True])
 def test_few_rows_matmul_matches_fp64_for_every_format(swap, interpreted):
-    assert len(interpreted) == 6 + 5 + 5 + 2 and {"960x576x5 q8_0", "37x200x17 int4-g128"} <= set(interpreted)
+    assert len(interpreted) == 6 + 5 + 5 + 4 and {"960x576x5 q8_0", "37x200x17 int4-g128"} <= set(interpreted)
     assert {"int8 rows for each of 3 blocks", "int4-g32 rows for each of 3 blocks"} <= set(interpreted)
+    assert {"int8 rows counted for each of 3 blocks", "int4-g32 rows counted for each of 3 blocks"} <= set(interpreted)
 
 
 @pytest.mark.slow
 def test_int4_words_matmul_matches_fp64(interpreted):
     assert interpreted == ["96x256x5 g32", "37x512x17 g128", "200x384x64 g64", "40x192x3 g64",
-                           "int4-g64 rows for each of 3 blocks", "compiled"]
+                           "int4-g64 rows for each of 3 blocks",
+                           "int4-g64 rows counted for each of 3 blocks", "compiled"]
 
 
 @pytest.mark.slow
@@ -144,7 +146,7 @@ def test_model_decodes_the_same_through_the_attention_kernel(interpreted):
 
 @pytest.mark.slow
 def test_custom_ops_fake_implementations_and_schemas(interpreted):
-    assert interpreted == 17  # (every op, the few-rows matmul in three formats, int4's words)
+    assert interpreted == 19  # (every op, the few-rows matmul in three formats, int4's words, both with counts)
 
 
 def test_a_tuned_table_given_for_a_block_is_used_there_and_restored_after():

@@ -124,8 +124,8 @@ def test_quantized_experts_compute_with_their_dequantized_weights_either_way(mod
     """Every expert's matrices are quantized (the router stays dense), and an MoE
     layer computes with the dequantized weights whether tokens are grouped by
     expert (eager), each token's experts are indexed on the device (by_slot), or
-    every expert runs on every token, weighted by the router (by_every_expert:
-    a short prefill in a CUDA graph)."""
+    each expert's tokens are gathered on the device into rows of its own
+    (by_expert_rows: a short prefill in a CUDA graph)."""
     state = random_state_dict(MOE, torch.float32, std=0.1)
     qargs, qstate = quantize_state_dict(MOE, state, mode, 32)
     assert "layers.1.feed_forward.experts.3.w2.weight_" + ("int4" if mode == "int4" else mode) in qstate
@@ -144,7 +144,7 @@ def test_quantized_experts_compute_with_their_dequantized_weights_either_way(mod
         weights, chosen = ffn.route(x)
         grouped = ffn.by_expert(x, weights, chosen)
         assert torch.allclose(ffn.by_slot(x, weights, chosen), grouped, atol=1e-5)
-        assert torch.allclose(ffn.by_every_expert(x, weights, chosen), grouped, atol=1e-5)
+        assert torch.allclose(ffn.by_expert_rows(x, weights, chosen), grouped, atol=1e-5)
 
 
 def test_quantized_moe_checkpoint_round_trip_is_bit_exact(tmp_path):

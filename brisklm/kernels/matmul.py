@@ -46,22 +46,23 @@ if triton is not None:
     _ROW_SCALED, _INT4, _DENSE = tl.constexpr(ROW_SCALED), tl.constexpr(INT4), tl.constexpr(DENSE)
 
     @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
+    def _few_rows_kernel(x_ptr, w_ptr, w_desc, s_ptr, z_ptr, counts_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
                          KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-                         INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                         COUNTED: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         _await_inputs(PDL)
-        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        x_ptr += (pid_n * BLOCK_N // N_PER_X) * M * K  # (the rows of x for this tile's block of N_PER_X outputs)
+        pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        block_x = pid_n * BLOCK_N // N_PER_X  # (the rows of x for this tile's block of N_PER_X outputs)
+        x_ptr += block_x * M * K
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < M, cols < N
+        k_first, k_end, row_ok = _row_range(counts_ptr, block_x, split, K_PER_SPLIT, M, pid_m, BLOCK_M, COUNTED)
+        col_ok = cols < N
         if SWAP:  # the weight tile as the dot's first operand (it can stay in registers), x^T second
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_first = split * K_PER_SPLIT
-        for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
+        for k0 in range(k_first, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -107,7 +108,20 @@ if triton is not None:
             else:
                 acc += tl.dot(x, tl.trans(w))
         out = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-        tl.store(out, tl.trans(acc) if SWAP else acc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out, tl.trans(acc) if SWAP else acc, mask=(rows < M)[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _row_range(counts_ptr, block_x, split, K_PER_SPLIT, M, pid_m, BLOCK_M: tl.constexpr, COUNTED: tl.constexpr):
+        """(first k, end of k, the rows of x read) of a program: with COUNTED, x's
+        block of rows holds counts[block_x] real rows and the rest are
+        skipped, read as zeros (a tile with none of them sums nothing: its
+        outputs are zeros, and its weights are never read)."""
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        k_first = split * K_PER_SPLIT
+        if COUNTED:
+            real = tl.load(counts_ptr + block_x).to(tl.int32)
+            return k_first, tl.where(pid_m * BLOCK_M < real, k_first + K_PER_SPLIT, k_first), rows < real
+        return k_first, k_first + K_PER_SPLIT, rows < M
 
 
     # Each lop3 makes two operands from one word of codes: (word & 0x000F000F) | ONE, two nibbles
@@ -136,10 +150,10 @@ if triton is not None:
         return tl.reshape(op, (BLOCK_N, 2 * WORDS))
 
     @triton.jit
-    def _int4_words_kernel(xq_ptr, w_ptr, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X, X_PIECE,
-                           GROUP: tl.constexpr, FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
-                           INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    def _int4_words_kernel(xq_ptr, w_ptr, w_desc, s_ptr, z_ptr, counts_ptr, out_ptr, M, N, K, K_PER_SPLIT, N_PER_X,
+                           X_PIECE, GROUP: tl.constexpr, FP16: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr,
+                           COUNTED: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
         """int4 codes read as int32 words (N, K/8) times x in four pieces (xq:
         (4, M, K/4), xq[c][:, 2j + t] = x[:, 8j + c + 4t], `x_pieces`): each
         lop3 turns a word into two of the dot's operands, 128 + q
@@ -151,16 +165,17 @@ if triton is not None:
         WORDS: tl.constexpr = GROUP // 8
         OFFSET: tl.constexpr = 136.0  # 128 in each operand, and the codes' 8
         _await_inputs(PDL)
-        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        xq_ptr += (pid_n * BLOCK_N // N_PER_X) * M * (K // 4)  # (as in _few_rows_kernel)
+        pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        block_x = pid_n * BLOCK_N // N_PER_X  # (as in _few_rows_kernel)
+        xq_ptr += block_x * M * (K // 4)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < M, cols < N
+        k_first, k_end, row_ok = _row_range(counts_ptr, block_x, split, K_PER_SPLIT, M, pid_m, BLOCK_M, COUNTED)
+        col_ok = cols < N
         shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N)
         acc = tl.zeros(shape, dtype=tl.float32)
         ones = tl.full((BLOCK_N, 2 * WORDS), 1.0, tl.float32 if INTERPRET else xq_ptr.dtype.element_ty)
-        k_first = split * K_PER_SPLIT
-        for k0 in range(k_first, k_first + K_PER_SPLIT, BLOCK_K):
+        for k0 in range(k_first, k_end, BLOCK_K):
             for j in tl.static_range(BLOCK_K // GROUP):
                 g = k0 // GROUP + j
                 if TMA:
@@ -191,9 +206,9 @@ if triton is not None:
                     acc += d * s[None, :] + xs * (z - OFFSET * s)[None, :]
         out = out_ptr + split * M * N
         if SWAP:
-            tl.store(out + rows[None, :] * N + cols[:, None], acc, mask=row_ok[None, :] & col_ok[:, None])
+            tl.store(out + rows[None, :] * N + cols[:, None], acc, mask=(rows < M)[None, :] & col_ok[:, None])
         else:
-            tl.store(out + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(out + rows[:, None] * N + cols[None, :], acc, mask=(rows < M)[:, None] & col_ok[None, :])
 
 
 def supported(x: torch.Tensor) -> bool:
@@ -215,9 +230,14 @@ CONFIG = {ROW_SCALED: (64, 256, 4, 3, False, 264), GROUPED_INT8: (64, 128, 4, 3,
 # wanted); BLOCK_M as blocks(). Empty: int4 through _few_rows_kernel's widened tile.
 WORDS = (64, 2, 4, 3, True, 528)
 MIN_WORDS_GROUP = 64  # (a group's quarter is the dot's depth, at least 16)
+# Where each block of x's rows has its own count of real rows (an MoE layer's experts, each
+# with the tokens that chose it): at most this many rows a tile. A tile past an expert's count
+# reads nothing; one more tile of rows reads the expert's weights again.
+COUNTED_ROWS = 32
 
 
-def blocks(kind: int, m: int, n: int, k: int, group: int | None, per_x: int = 0) -> tuple[int, ...]:
+def blocks(kind: int, m: int, n: int, k: int, group: int | None, per_x: int = 0,
+           counted: bool = False) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP): about
     `programs` programs, splitting K where the tiles of N alone give too few;
     each tile within one block of per_x outputs (if given)."""
@@ -226,7 +246,7 @@ def blocks(kind: int, m: int, n: int, k: int, group: int | None, per_x: int = 0)
     block_k = block_k if group is None else min(block_k, max(group, 32))
     while k % block_k and block_k > 32:
         block_k //= 2
-    block_m, split = rows_and_split(m, n, -(-k // block_k), block_n, programs)
+    block_m, split = rows_and_split(m, n, -(-k // block_k), block_n, programs, counted)
     return block_m, block_n, block_k, split, warps, stages, swap
 
 
@@ -239,12 +259,14 @@ def whole_tiles(block_n: int, per_x: int) -> int:
     return block_n
 
 
-def rows_and_split(m: int, n: int, steps: int, block_n: int, programs: int) -> tuple[int, int]:
+def rows_and_split(m: int, n: int, steps: int, block_n: int, programs: int, counted: bool = False) -> tuple[int, int]:
     """(BLOCK_M, SPLIT_K) for M rows, N outputs and K in `steps` blocks: the
-    rows rounded up to 16, and K split into a divisor of its steps so that
-    the tiles give about `programs` programs."""
+    rows rounded up to 16 (counted: at most COUNTED_ROWS, the tiles past the
+    first not counted, as they mostly read nothing), and K split into a
+    divisor of its steps so that the tiles give about `programs` programs."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    tiles = -(-n // block_n) * -(-m // block_m)
+    block_m = min(block_m, COUNTED_ROWS) if counted else block_m
+    tiles = -(-n // block_n) * (1 if counted else -(-m // block_m))
     split = max(1, min(steps // 2, programs // tiles))
     while steps % split:
         split -= 1
@@ -252,17 +274,19 @@ def rows_and_split(m: int, n: int, steps: int, block_n: int, programs: int) -> t
 
 
 def few_rows_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None = None,
-                    zero: torch.Tensor | None = None) -> torch.Tensor:
+                    zero: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
     """(M, N) fp32 sums of x (M, K) times the codes' weights: codes (N, K) int8
     or fp8 with no scale (the caller's per-row scale), int8 with a scale (N,
     K/G), int4 pairs (N, K/2) uint8 with scale and zero (N, K/G), or dense
     weights (N, K) in x's dtype. x (E, M, K): rows of their own for each
-    block of N/E outputs (an MoE layer's experts stacked as one matrix)."""
+    block of N/E outputs (an MoE layer's experts stacked as one matrix), of
+    which only the first counts[e] (counts (E,) on the device, if given)
+    are read: the sums of the others are zeros."""
     if words_group(codes, scale, x):
         xq = x_pieces(x)  # (in a compiled step: made with x)
-        partial = (_words_op if _traced(codes) else _launch_words)(xq, codes, scale, zero)
+        partial = (_words_op if _traced(codes) else _launch_words)(xq, codes, scale, zero, counts)
     else:
-        partial = (_few_rows_op if _traced(codes) else _launch)(x, codes, scale, zero)
+        partial = (_few_rows_op if _traced(codes) else _launch)(x, codes, scale, zero, counts)
     return partial[0] if len(partial) == 1 else partial.sum(0)  # (outside the op: a compiled step fuses it)
 
 
@@ -290,14 +314,14 @@ def x_pieces(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2, 4)).movedim(-1, 0).flatten(-2).contiguous()
 
 
-def words_blocks(m: int, n: int, k: int, group: int, per_x: int = 0) -> tuple[int, ...]:
+def words_blocks(m: int, n: int, k: int, group: int, per_x: int = 0, counted: bool = False) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, SWAP), as blocks()."""
     block_n, groups, warps, stages, swap, programs = WORDS
     block_n = whole_tiles(block_n, per_x)
     block_k = group * groups
     while k % block_k:
         block_k -= group
-    block_m, split = rows_and_split(m, n, k // block_k, block_n, programs)
+    block_m, split = rows_and_split(m, n, k // block_k, block_n, programs, counted)
     return block_m, block_n, block_k, split, warps, stages, swap
 
 
@@ -310,29 +334,30 @@ def per_x(x: torch.Tensor, n: int) -> int:
     return n // x.shape[0]
 
 
-def _words_shape(xq, codes, scale):
+def _words_shape(xq, codes, scale, counts=None):
     """(K, group, the empty partial sums (SPLIT_K, M, N), words_blocks())."""
     (m, k), n = (xq.shape[-2], 4 * xq.shape[-1]), codes.shape[0]
     group = k // scale.shape[1]
-    chosen = words_blocks(m, n, k, group, per_x(xq[0], n))
+    chosen = words_blocks(m, n, k, group, per_x(xq[0], n), counts is not None)
     return k, group, xq.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
 
 
-def _launch_words(xq, codes, scale, zero):
+def _launch_words(xq, codes, scale, zero, counts=None):
     """The split-K partial sums (SPLIT_K, M, N) in fp32."""
-    k, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _words_shape(xq, codes, scale)
+    k, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _words_shape(xq, codes, scale, counts)
     m, n = xq.shape[-2], codes.shape[0]
     if k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
     words = codes.view(torch.int32)
     desc = weight_tiles(words, block_n, group // 8)
     xq = xq.contiguous()  # (the compiler may hand a custom op other strides than eager code has)
-    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)  # (an expert's tiles of rows one after another)
     pdl = early_launch(xq.device)  # (launched while the kernel before finishes, as the GEMVs are)
-    _int4_words_kernel[grid](xq, words, desc, scale, zero, out, m, n, k, k // split, per_x(xq[0], n) or n,
-                             xq[0].numel(), GROUP=group, FP16=xq.dtype == torch.float16, BLOCK_M=block_m,
-                             BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, TMA=desc is not words,
-                             INTERPRET=interpreted(), PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    _int4_words_kernel[grid](xq, words, desc, scale, zero, zero if counts is None else counts, out, m, n, k,
+                             k // split, per_x(xq[0], n) or n, xq[0].numel(), GROUP=group,
+                             FP16=xq.dtype == torch.float16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                             SWAP=swap, TMA=desc is not words, COUNTED=counts is not None, INTERPRET=interpreted(),
+                             PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
 
 
@@ -359,42 +384,44 @@ def kind_of(codes: torch.Tensor, scale: torch.Tensor | None) -> int:
     return ROW_SCALED if scale is None else GROUPED_INT8
 
 
-def _launch_shape(x, codes, scale):
+def _launch_shape(x, codes, scale, counts=None):
     """(kind, group, the empty fp32 partial sums (SPLIT_K, M, N), blocks()) of these operands."""
     kind = kind_of(codes, scale)
     (m, k), n = x.shape[-2:], codes.shape[0]
     group = None if scale is None else k // scale.shape[1]
-    chosen = blocks(kind, m, n, k, group, per_x(x, n))
+    chosen = blocks(kind, m, n, k, group, per_x(x, n), counts is not None)
     return kind, group, x.new_empty(chosen[3], m, n, dtype=torch.float32), chosen
 
 
-def _launch(x, codes, scale, zero):
+def _launch(x, codes, scale, zero, counts=None):
     """The split-K partial sums (SPLIT_K, M, N) in fp32."""
     m, k = x.shape[-2:]
     n = codes.shape[0]
-    kind, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _launch_shape(x, codes, scale)
+    kind, group, out, (block_m, block_n, block_k, split, warps, stages, swap) = _launch_shape(x, codes, scale, counts)
     if kind == INT4 and k != 2 * codes.shape[1]:
         raise ValueError(f"x has {k} inputs, the int4 codes {2 * codes.shape[1]}")
-    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)  # (as in _launch_words)
     k_per_split = -(-k // block_k) // split * block_k
     absent = codes if scale is None else scale  # (pointers the kernel's format does not read)
     pdl = early_launch(x.device)  # (launched while the kernel before finishes, as the GEMVs are)
     desc = weight_tiles(codes, block_n, block_k // 2 if kind == INT4 else block_k)
-    _few_rows_kernel[grid](x.contiguous(), codes, desc, absent, absent if zero is None else zero, out, m, n, k,
-                           k_per_split, per_x(x, n) or n, KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n,
-                           BLOCK_K=block_k, SWAP=swap, TMA=desc is not codes, INTERPRET=interpreted(), PDL=pdl,
+    _few_rows_kernel[grid](x.contiguous(), codes, desc, absent, absent if zero is None else zero,
+                           absent if counts is None else counts, out, m, n, k, k_per_split, per_x(x, n) or n,
+                           KIND=kind, GROUP=group or 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap,
+                           TMA=desc is not codes, COUNTED=counts is not None, INTERPRET=interpreted(), PDL=pdl,
                            num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
 
 
 if triton is not None:  # opaque to the compiler, which would otherwise widen the whole weight again
-    _few_rows_op = torch.library.custom_op("brisklm::few_rows_matmul", _launch, mutates_args=(),
-                                           schema="(Tensor x, Tensor codes, Tensor? scale, Tensor? zero) -> Tensor")
+    _few_rows_op = torch.library.custom_op(
+        "brisklm::few_rows_matmul", _launch, mutates_args=(),
+        schema="(Tensor x, Tensor codes, Tensor? scale, Tensor? zero, Tensor? counts) -> Tensor")
 
-    _few_rows_op.register_fake(lambda x, codes, scale, zero: _launch_shape(x, codes, scale)[2])
+    _few_rows_op.register_fake(lambda x, codes, scale, zero, counts: _launch_shape(x, codes, scale, counts)[2])
 
     _words_op = torch.library.custom_op(
         "brisklm::int4_words_matmul", _launch_words, mutates_args=(),
-        schema="(Tensor xq, Tensor codes, Tensor scale, Tensor zero) -> Tensor")
+        schema="(Tensor xq, Tensor codes, Tensor scale, Tensor zero, Tensor? counts) -> Tensor")
 
-    _words_op.register_fake(lambda xq, codes, scale, zero: _words_shape(xq, codes, scale)[2])
+    _words_op.register_fake(lambda xq, codes, scale, zero, counts: _words_shape(xq, codes, scale, counts)[2])
