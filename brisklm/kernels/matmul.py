@@ -10,8 +10,12 @@ codes, widens it in registers and multiplies it with the rows of x on the
 tensor cores (tl.dot), accumulating in fp32. On Hopper the tile comes through
 the bulk tensor copy engine (TMA: weight_tiles), one instruction a tile: the
 tile's loads, not its dot, set its time. The slices of K (SPLIT_K) give
-the GPU enough programs when N is small, and are summed by the caller. SWAP
-puts the weight tile first in the dot and x second (dense's and int4's choice).
+the GPU enough programs when N is small, and are summed by the caller. An
+MoE layer's experts run as one matrix, each block of N with rows of its own
+and, where counts are given, only as many of them as that expert's tokens:
+a tile of rows past them reads no weights (an expert no token chose costs
+nothing). SWAP puts the weight tile first in the dot and x second (dense's
+and int4's choice).
 int4 codes in groups of 64 or more skip the conversion to floats
 (_int4_words_kernel, WORDS): read as int32 words, each word turned into
 the dot's operands two codes at a time by one lop3 of its bits (128 + q),
@@ -161,7 +165,8 @@ if triton is not None:
         pieces. w = (q - 8) s + z, so a group's sum is s d + (z - 136 s) xs,
         d the dots and xs the group's sum of x, taken by the tensor cores from
         the same loaded values (a dot with ones: a sum made elsewhere, from x
-        before its rounding to x's dtype, is off by 136 times that rounding)."""
+        before its rounding to x's dtype, is off by 136 times that rounding;
+        a tl.sum of the loaded pieces made the verify step slower)."""
         WORDS: tl.constexpr = GROUP // 8
         OFFSET: tl.constexpr = 136.0  # 128 in each operand, and the codes' 8
         _await_inputs(PDL)
