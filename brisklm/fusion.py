@@ -17,10 +17,10 @@ only place a kernel route is chosen:
 - an MoE layer's experts' Linears too: one token's chosen experts are
   read in place from the stacked weights, at their index on the device
   (FusedLinear.expert_forward, gemv.expert_gemv), where the plain format
-  copies each one out first; a few tokens that run every expert read all
-  their w13 matrices in one launch and all their w2 matrices in another,
-  each expert with its own tokens' rows, where an expert no token chose
-  is not read (FusedLinear.experts_forward);
+  copies each one out first; a few tokens that together choose every
+  expert read all the w13 matrices in one launch and all the w2 matrices
+  in another, each expert with its own tokens' rows, where an expert no
+  token chose is not read (FusedLinear.experts_forward);
 - Attention becomes FusedAttention (the same modules): one token's RoPE, cache write and
   attention in one kernel (kernels/attention.py) that reads the filled
   length on the device, so a decode step needs no host value and replays
