@@ -167,7 +167,7 @@ def main():
     rate = statistics.median(rates[1:])
 
     first_tokens = {n: statistics.median([run(n, {}, 1) * 1e3 for _ in range(8)][1:])
-                    for n in (1, 5, 17, 64) if n < gen.max_seq_length}
+                    for n in (1, 2, 5, 9, 17, 33, 64) if n < gen.max_seq_length}
     print("first token: " + ", ".join(f"{n} tokens {ms:.1f} ms ({ms * rate / 1e3:.2f} decode steps)"
                                       for n, ms in first_tokens.items()), flush=True)
     ceiling = read_ceiling_gb_s(device)

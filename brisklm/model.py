@@ -476,7 +476,9 @@ class MoEFeedForward(nn.Module):
         weights, chosen = self.gate(x).float().softmax(-1).topk(self.top_k, dim=-1)
         return (weights / weights.sum(-1, keepdim=True) if self.renormalize else weights), chosen
 
-    def forward(self, x):
+    def forward(self, x, real=None):
+        """x (B, T, C); real (B T,) bool, if given: which rows are tokens, the
+        rest padding (a CUDA graph's), whose output is not used."""
         rows = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(rows)
         # (on CUDA a short input stays on the device even eager: the run before a graph's capture is alike)
@@ -486,19 +488,23 @@ class MoEFeedForward(nn.Module):
         elif rows.shape[0] * self.top_k < len(self.experts):
             y = self.by_slot(rows, weights, chosen)
         else:
-            y = self.by_expert_rows(rows, weights, chosen)
+            y = self.by_expert_rows(rows, weights, chosen, real)
         return y.to(x.dtype).reshape(x.shape)
 
-    def by_expert_rows(self, x, weights, chosen):
+    def by_expert_rows(self, x, weights, chosen, real=None):
         if self.stacked is None:
             self.stack()
         expert, (m, k) = self.experts[0], chosen.shape
         picks = chosen.flatten()  # (M k): token t's choices at t k .. t k + k - 1
         one_hot = F.one_hot(picks, len(self.experts))  # (M k, E)
+        if real is not None:  # padding picks no expert: an expert only padding chose is not read
+            one_hot = one_hot * real.repeat_interleave(k)[:, None]
         place = ((one_hot.cumsum(0) - 1) * one_hot).sum(1)  # each pick's row among its expert's
+        if real is not None:  # (padding's row: the last, past any count where there is padding)
+            place = torch.where(one_hot.sum(1) > 0, place, m - 1)
         token = torch.arange(m * k, device=x.device) // k
         rows = torch.zeros(len(self.experts), m, dtype=torch.long, device=x.device).index_put_((picks, place), token)
-        counts = one_hot.sum(0)  # (E,): rows past an expert's count hold token 0, unused
+        counts = one_hot.sum(0)  # (E,): rows past an expert's count hold any token, unused
         gate, up = expert.w13.experts_forward(self.stacked["w13"], x[rows], counts).split(expert.intermediate_size, -1)
         y = expert.w2.experts_forward(self.stacked["w2"], expert.act(gate) * up, counts)  # (E, M, C)
         return (y[picks, place].float() * weights.reshape(-1, 1)).view(m, k, -1).sum(1)
@@ -562,10 +568,11 @@ class TransformerBlock(nn.Module):
         after = norm if args.sandwich_norms else nn.Identity  # (norms after attention and the MLP too)
         self.post_attention_norm, self.post_ffn_norm = after(), after()
 
-    def forward(self, x, cos, sin, mask, input_pos):
+    def forward(self, x, cos, sin, mask, input_pos, real=None):
         y = self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
         h = x + self.post_attention_norm(y)
-        y = self.feed_forward(self.ffn_norm(h))
+        moe = isinstance(self.feed_forward, MoEFeedForward)
+        y = self.feed_forward(self.ffn_norm(h), real) if moe else self.feed_forward(self.ffn_norm(h))
         return h + self.post_ffn_norm(y)
 
 
@@ -626,6 +633,8 @@ class Transformer(nn.Module):
         """idx: (B, T) token ids at positions input_pos (T,). Returns logits (B, T, V),
         or (B, 1, V) for one position along T only, the index `last` (shape (1,),
         a tensor so that a CUDA graph of a padded prompt takes it as an input).
+        The rows after `last` are padding: an MoE layer gives them no expert,
+        and their keys and values in the cache are not the model's.
 
         Attention reads only the filled part of the cache: eager callers pass
         kv_len (known on the host) and compiled decode steps a one-row
@@ -637,7 +646,7 @@ class Transformer(nn.Module):
 
         depth runs the first `depth` layers only, then the final norm and the
         output layer: the target's own shallow draft (speculative.py). block,
-        if given, runs each layer: block(layer, x, cos, sin, mask, input_pos)
+        if given, runs each layer: block(layer, x, cos, sin, mask, input_pos, real)
         (one compiled forward that every layer shares)."""
         ropes = {local: (cos[input_pos], sin[input_pos]) for local, (cos, sin) in self.rope_tables.items()}
         if block_mask is not None:
@@ -648,9 +657,12 @@ class Transformer(nn.Module):
             keys = torch.arange(kv_len or self.max_seq_length, device=idx.device)
             masks = {w: visible(input_pos[:, None], keys[None, :], w) for w in self.windows}  # (T, S)
         x = scale_embeddings(self.args, self.tok_embeddings(idx))  # (B, T, C)
+        real = None
+        if last is not None and self.args.num_local_experts:  # (B T,) which rows are tokens
+            real = (torch.arange(idx.shape[1], device=idx.device) <= last).repeat(idx.shape[0])
         for layer in self.layers if depth is None else self.layers[:depth]:
             attention = layer.attention
-            args = (x, *ropes[attention.local_rope], masks[attention.window], input_pos)
+            args = (x, *ropes[attention.local_rope], masks[attention.window], input_pos, real)
             x = block(layer, *args) if block else layer(*args)
         if last is not None:
             x = x.index_select(1, last)

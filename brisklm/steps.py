@@ -91,9 +91,9 @@ def short_reductions(x, r0_) -> bool:
     return x.is_number and r0_.is_number and int(x) <= 1024 and 1 < int(r0_) < 256
 
 
-def run_block(layer, x, cos, sin, mask, input_pos):
+def run_block(layer, x, cos, sin, mask, input_pos, real=None):
     """One TransformerBlock: what the block-compiled steps compile, once for all layers."""
-    return layer(x, cos, sin, mask, input_pos)
+    return layer(x, cos, sin, mask, input_pos, real)
 
 
 def planless_attention(step):

@@ -145,6 +145,14 @@ def test_quantized_experts_compute_with_their_dequantized_weights_either_way(mod
         grouped = ffn.by_expert(x, weights, chosen)
         assert torch.allclose(ffn.by_slot(x, weights, chosen), grouped, atol=1e-5)
         assert torch.allclose(ffn.by_expert_rows(x, weights, chosen), grouped, atol=1e-5)
+        # a padded prompt (`last`): the padding's rows take no expert's rows, the tokens' are the same
+        padded = torch.cat([x, torch.randn(4, 64)])
+        weights, chosen = ffn.route(padded)
+        w13, seen = ffn.experts[0].w13, []
+        w13.experts_forward = lambda *args: seen.append(args[2]) or type(w13).experts_forward(w13, *args)
+        rows = ffn.by_expert_rows(padded, weights, chosen, torch.arange(7) < 3)
+        assert torch.allclose(rows[:3], grouped, atol=1e-5)
+        assert seen[0].tolist() == torch.bincount(chosen[:3].flatten(), minlength=len(ffn.experts)).tolist()
 
 
 def test_quantized_moe_checkpoint_round_trip_is_bit_exact(tmp_path):
