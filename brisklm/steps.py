@@ -6,7 +6,8 @@ runs in one of these ways:
 
 - eager: PyTorch ops launched from Python (CPUs; BRISKLM_CUDA_GRAPHS=0);
 - graphed: captured in a CUDA graph, one per shape, and replayed (`replayed`);
-- block-compiled (CUDA with the fused attention kernel; decode and verify):
+- block-compiled (CUDA with the fused attention kernel; decode, verify, and
+  prompts the attention kernel takes whole, up to 16 tokens):
   every TransformerBlock runs one torch.compile'd forward, which the layers
   share (their weights are its inputs), inside the CUDA graph of the whole
   step, so a cold compile costs one layer's, not every layer's;
@@ -397,7 +398,8 @@ class Steps:
             ids, start = ids[chunk:], start + chunk
         new, pos, kv_len, graphed = self._padded(ids, start, self.max_seq_length, self.graphed_prefill)
         last = torch.tensor([len(ids) - 1], device=self.device)
-        logits = (self.graphed_prefill if graphed else self._prefill)(self.model, new, pos, kv_len=kv_len, last=last)
+        step = self._graphs_of(kv_len, self.model, self.graphed_prefill) if graphed else self._prefill
+        logits = step(self.model, new, pos, kv_len=kv_len, last=last)
         token = self.sampler(logits[:, -1], settings)
         return token.clone() if self.sampler is not sample else token
 
@@ -423,7 +425,9 @@ class Steps:
         new, pos, kv_len, graphed = self._padded(ids, start, model.max_seq_length, self.graphed_forward)
         at = None if last is None else torch.tensor([last], device=self.device)
         more = {} if depth is None else {"depth": depth}  # (so that a prefill's graphs serve it: one key)
-        step = self.graphed_forward if graphed else self.eager_forward
+        step = self.eager_forward
+        if graphed:  # (every row's logits, last None: shapes the block did not compile for)
+            step = self.graphed_forward if at is None else self._graphs_of(kv_len, model, self.graphed_forward)
         out = step(model, new, pos, kv_len=kv_len, last=at, **more)
         out = out if last is not None else out[:, :len(ids)]
         return out.clone() if graphed else out
@@ -489,8 +493,21 @@ class Steps:
 
     def _capture_prefill(self, bucket: int, kv_len: int | None):
         ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-        self.graphed_prefill(self.model, ids, self._tail(bucket), kv_len=kv_len,
-                             last=torch.zeros(1, dtype=torch.long, device=self.device))
+        self._graphs_of(kv_len, self.model, self.graphed_prefill)(
+            self.model, ids, self._tail(bucket), kv_len=kv_len, last=torch.zeros(1, dtype=torch.long, device=self.device))
+
+    def _graphs_of(self, kv_len: int | None, model: Transformer, uncompiled):
+        """The graphs that replay a padded prompt of this model: where the
+        attention kernel needs no mask (kv_len None: up to kernel_tokens
+        tokens), those of the block-compiled steps (for which the block
+        compiles too: maskless_buckets); else `uncompiled`."""
+        return self.graphed_rows if self.graphed and kv_len is None and model is self.model else uncompiled
+
+    def maskless_buckets(self) -> list[int]:
+        """The prompt lengths whose graphs replay the block-compiled steps (_graphs_of)."""
+        if not self.graphed or self.graphed_prefill is None:
+            return []
+        return [1, *(b for b in PREFILL_BUCKETS if b <= min(self.kernel_tokens, self.largest_graph))]
 
     def warm_pending(self, stop=lambda: False, room: int | None = None) -> bool:
         """Capture the prefill graphs warm_up left pending, most used first,
@@ -543,7 +560,7 @@ class Steps:
             self.model.prepare(self.device, compiled=False)
         self.to_compile = kind
         shapes = list({(id(self.model), 1, None): (self.model, 1, None), **self.shapes}.values())
-        self.reserved = max(n for _, n, _ in shapes)
+        self.reserved = max(n for _, n, _ in shapes + [(None, n, None) for n in self.maskless_buckets()])
         # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
         # interpreter finalizes aborts the process)
         self.compiler = threading.Thread(target=self._compile, args=(shapes, inside), name=COMPILE_THREAD)
@@ -574,6 +591,9 @@ class Steps:
                 if self.graphed:
                     runs = [functools.partial(forward, m, ids(n), tail(m, n), depth=depth, block=compiled)
                             for m, n, depth in shapes]
+                    last = torch.zeros(1, dtype=torch.long, device=self.device)  # (a prompt's: an MoE layer's rows)
+                    runs += [functools.partial(forward, self.model, ids(n), tail(self.model, n), last=last,
+                                               block=compiled) for n in self.maskless_buckets()]
                 else:
                     whole, rows = self.masked_steps(compiled)
                     # (the block's sampling runs eager, so greedy alone: a sampled run beside requests would
