@@ -50,6 +50,35 @@ def test_shapes_of_a_prompt_are_those_its_prefill_replays():
             assert list(dict.fromkeys(shape for shape, _ in seen)) == gen.steps.shapes_of([n]), (kernel_tokens, n)
 
 
+def test_prompts_the_attention_kernel_takes_whole_replay_the_block_compiled_graphs():
+    """Where decoding replays graphs of its own (a GPU with the attention
+    kernel, here its flags), a prompt of 1 or 16 rows (no mask: the kernel
+    reads the length) replays the block-compiled steps' graphs, for which the
+    block compiles too; a longer one, and every row's logits, the uncompiled
+    forward's."""
+    gen = Generator(tiny_model(), 1024)
+    steps, seen = gen.steps, []
+    steps.graphed, steps.kernel_tokens = True, 16
+
+    def recorder(name):
+        def run(model, ids, pos, kv_len=None, last=None, **more):
+            seen.append((name, ids.shape[1], last is not None))
+            return forward(model, ids, pos, kv_len=kv_len, last=last, **more)
+        return run
+    steps.graphed_prefill = steps.graphed_forward = recorder("uncompiled")
+    steps.graphed_rows = recorder("block")
+    assert steps.maskless_buckets() == [1, 16]
+    for n, name in ((1, "block"), (5, "block"), (16, "block"), (17, "uncompiled"), (200, "uncompiled")):
+        seen.clear()
+        gen.reset()
+        steps.prefill([i % 60 + 1 for i in range(n)], 0, None)
+        assert {s[0] for s in seen} == {name}, (n, seen)
+    seen.clear()
+    steps.logits([3] * 10, 0, last=9)
+    steps.logits([3] * 10, 20)
+    assert seen == [("block", 16, True), ("uncompiled", 16, False)]
+
+
 def test_warm_up_for_a_prompt_leaves_the_rest_pending():
     gen = Generator(tiny_model(), 512)
     seen = recording(gen.steps)
