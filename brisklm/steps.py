@@ -560,7 +560,7 @@ class Steps:
             self.model.prepare(self.device, compiled=False)
         self.to_compile = kind
         shapes = list({(id(self.model), 1, None): (self.model, 1, None), **self.shapes}.values())
-        self.reserved = max(n for _, n, _ in shapes + [(None, n, None) for n in self.maskless_buckets()])
+        self.reserved = max([n for _, n, _ in shapes] + self.maskless_buckets())
         # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
         # interpreter finalizes aborts the process)
         self.compiler = threading.Thread(target=self._compile, args=(shapes, inside), name=COMPILE_THREAD)
