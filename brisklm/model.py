@@ -424,7 +424,7 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, real=None):  # (real: an MoE layer's padding rows, nothing to a dense one)
         gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
         return self.w2(self.act(gate) * up)
 
@@ -500,8 +500,7 @@ class MoEFeedForward(nn.Module):
         if real is not None:  # padding picks no expert: an expert only padding chose is not read
             one_hot = one_hot * real.repeat_interleave(k)[:, None]
         place = ((one_hot.cumsum(0) - 1) * one_hot).sum(1)  # each pick's row among its expert's
-        if real is not None:  # (padding's row: the last, past any count where there is padding)
-            place = torch.where(one_hot.sum(1) > 0, place, m - 1)
+        place = torch.where(one_hot.any(1), place, m - 1)  # (padding's: the last row, past every count then)
         token = torch.arange(m * k, device=x.device) // k
         rows = torch.zeros(len(self.experts), m, dtype=torch.long, device=x.device).index_put_((picks, place), token)
         counts = one_hot.sum(0)  # (E,): rows past an expert's count hold any token, unused
@@ -571,8 +570,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x, cos, sin, mask, input_pos, real=None):
         y = self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
         h = x + self.post_attention_norm(y)
-        moe = isinstance(self.feed_forward, MoEFeedForward)
-        y = self.feed_forward(self.ffn_norm(h), real) if moe else self.feed_forward(self.ffn_norm(h))
+        y = self.feed_forward(self.ffn_norm(h), real)
         return h + self.post_ffn_norm(y)
 
 

@@ -493,8 +493,9 @@ class Steps:
 
     def _capture_prefill(self, bucket: int, kv_len: int | None):
         ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-        self._graphs_of(kv_len, self.model, self.graphed_prefill)(
-            self.model, ids, self._tail(bucket), kv_len=kv_len, last=torch.zeros(1, dtype=torch.long, device=self.device))
+        last = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._graphs_of(kv_len, self.model, self.graphed_prefill)(self.model, ids, self._tail(bucket), kv_len=kv_len,
+                                                                  last=last)
 
     def _graphs_of(self, kv_len: int | None, model: Transformer, uncompiled):
         """The graphs that replay a padded prompt of this model: where the

@@ -113,9 +113,9 @@ class AllReduced(nn.Module):
         super().__init__()
         self.inner, self.group = inner, group
 
-    def forward(self, x):
+    def forward(self, x, *more):  # (more: an MoE layer's padding rows)
         from torch.distributed import _functional_collectives as funcol
-        return funcol.all_reduce(self.inner(x), "sum", self.group)
+        return funcol.all_reduce(self.inner(x, *more), "sum", self.group)
 
 
 def parallelize(model, group) -> nn.Module:
