@@ -307,9 +307,14 @@ def sampled_choices(logits: torch.Tensor, ids: torch.Tensor, q: torch.Tensor | N
 
 class StepCosts(dict):
     """Drafts a step -> seconds a step (DraftPolicy.cost), kept across a
-    drafter's runs, and the plain steps taken since a drafting step was
-    last measured (DraftPolicy.update forgets drafting costs that old)."""
+    drafter's runs; the plain steps taken since a drafting step was last
+    measured (DraftPolicy.update forgets drafting costs that old); and the
+    probes' schedule, which runs across runs too (a request's first step
+    used to probe, which cost a short reply several percent wherever the
+    drafter's drafts are never kept): plain steps since the last failed
+    probe, the wait it set, and the wait the next failure sets."""
     plain_since_drafting = 0
+    since_probe, wait, interval = 0, 0, 16
 
 
 class DraftPolicy:
@@ -325,16 +330,19 @@ class DraftPolicy:
     generator's (`costs`, kept across its runs with this drafter), the
     chance of keeping a draft this run's: text decides it.
 
-    Each run starts with one draft (a cheap first look at the chance), and
-    measures a run of plain steps if no run has. Drafts that keep being rejected
-    drive k to 0, and the run decodes as plainly as without a drafter (in
-    runs of plain steps queued ahead, as plain decoding's loop does: on a
-    GPU a step that waits for the host costs that wait too), but for a probe
-    with one draft now and then. A failed probe waits longer before the next
-    one: twice as long each time (from 16 steps to 256), and at least as
-    long as keeps the probes' extra cost under PROBE_SHARE of the time (a
-    self-draft's probe on a small launch-bound model costs 2.5 plain steps).
-    So speculating on text where it cannot pay costs a few percent at most.
+    A run starts with one draft (a first look at the chance) where a probe
+    is due, else with plain steps until one is, and measures a run of plain
+    steps if no run has. Drafts that keep being rejected drive k to 0, and
+    the run decodes as plainly as without a drafter (in runs of plain steps
+    queued ahead, as plain decoding's loop does: on a GPU a step that waits
+    for the host costs that wait too), but for a probe with one draft now
+    and then. A failed probe waits longer before the next one: twice as
+    long each time (from 16 steps to 256), and at least as long as keeps
+    the probes' extra cost under PROBE_SHARE of the time (a self-draft's
+    probe on a small launch-bound model costs 2.5 plain steps); the wait
+    counts the plain steps of later runs too (StepCosts). So speculating on
+    text where it cannot pay costs a few percent at most, over one reply or
+    many short ones.
 
     A drafter that judges its drafts for free (prompt lookup: NgramDrafter.judge
     asks what it would have proposed before each token plain decoding made)
@@ -383,8 +391,7 @@ class DraftPolicy:
         # once much is; where judging is free, kept / (judged + DOUBT):
         # doubtful until the text shows otherwise.
         self.judged = self.kept_count = 0.0
-        self.since_probe, self.wait, self.interval = 0, 0, 16  # plain steps since a failed probe; its wait
-        self.probing = True  # whether the step chosen last is a probe (the run's first step is)
+        self.probing = False  # whether the step chosen last is a probe
         self.run = 1  # plain steps to take where choose() gave 0
 
     @property
@@ -424,25 +431,35 @@ class DraftPolicy:
         if self.free_judging and (self.judged == 0 or 0 not in self.cost):  # plain steps first: judged meanwhile
             self.run = self.FIRST_PLAIN_RUN
             return 0
-        if self.judged == 0 and self.probing:  # the run's first step
+        if self.judged == 0 and self._probe_due():  # (this run's text is unknown yet: a first look)
+            self.probing = True
             return 1
         if 0 not in self.cost:  # a plain step's cost, measured over a run queued ahead as plain decoding's
             self.run = self.FIRST_PLAIN_RUN  # (one step alone would count the host's wait for the device)
             return 0
-        best = max(range(top + 1), key=self.rate)
         if self.free_judging:  # no probes: the plain steps are judged, in runs that grow while drafts
-            self.judged_run = 2 * self.judged_run if best == 0 else self.JUDGED_RUN // 2  # would not pay
+            best = max(range(top + 1), key=self.rate)  # would not pay
+            self.judged_run = 2 * self.judged_run if best == 0 else self.JUDGED_RUN // 2
             self.run = min(self.judged_run, 8 * self.JUDGED_RUN)  # (each run ends in a wait for the host)
             return best
+        best = max(range(top + 1), key=self.rate) if self.judged else 0  # (no look yet: the prior is no evidence)
         if best == 0:
-            wait = self.wait
-            if wait and 1 in self.cost:  # (a probe costs this many plain steps more than one)
-                wait = max(wait, int((self.cost[1] / self.cost[0] - 1) / self.PROBE_SHARE) + 1)
-            if self.since_probe >= wait:
+            if self._probe_due():
                 self.probing = True
                 return 1
-            self.run = wait - self.since_probe
+            self.run = self._wait() - self.cost.since_probe
         return best
+
+    def _wait(self) -> int:
+        """Plain steps from a failed probe to the next: the schedule's, or more
+        where a probe costs so much more than a plain step that PROBE_SHARE asks it."""
+        cost = self.cost
+        if cost.wait and 0 in cost and 1 in cost:
+            return max(cost.wait, int((cost[1] / cost[0] - 1) / self.PROBE_SHARE) + 1)
+        return cost.wait
+
+    def _probe_due(self) -> bool:
+        return self.cost.since_probe >= self._wait()
 
     def pays(self, room: int) -> bool:
         """Whether drafting now would give more tokens a second than plain steps
@@ -492,15 +509,16 @@ class DraftPolicy:
             self.doubted.add(proposed)  # kept as the cost it would stop drafting for good)
         else:  # a step slower than its cost so far moves it by a fifth; a faster one is its cost now
             self.cost[proposed] = seconds if old is None else min(seconds, 0.8 * old + 0.2 * seconds)
+        cost = self.cost
         if not proposed:
-            self.since_probe += steps
+            cost.since_probe += steps
             self._age(steps)
             return
-        self.cost.plain_since_drafting = 0
+        cost.plain_since_drafting = 0
         self.kept_count = self.decay * self.kept_count + kept
         self.judged = self.decay * self.judged + kept + (kept < proposed)
         if kept:
-            self.interval = 16
+            cost.interval = 16
         elif self.probing:  # wait longer before the next probe
-            self.since_probe, self.wait, self.interval = 0, self.interval, min(2 * self.interval, 256)
+            cost.since_probe, cost.wait, cost.interval = 0, cost.interval, min(2 * cost.interval, 256)
         self.probing = False

@@ -419,6 +419,21 @@ def test_the_draft_policy_stops_drafting_where_drafts_are_rejected_and_probes_ra
     assert sum(k > 0 for k in chosen) == 2 and rate > 0.97, (chosen, rate)
 
 
+def test_the_probes_schedule_runs_across_runs():
+    """Many short replies with a drafter whose drafts are never kept (a
+    self-draft whose probe costs 2.5 plain steps): a reply starts with a
+    probe only where one is due, so the probes' cost stays near PROBE_SHARE
+    over all of them, where a probe at each reply's start cost 9% here."""
+    costs, chosen, tokens, seconds = StepCosts(), [], 0, 0.0
+    for _ in range(20):
+        run, rate = run_policy(DraftPolicy(4, costs=costs), 0.0, lambda k: 1.0 + 1.5 * k, 16)
+        chosen.append(run)
+        tokens, seconds = tokens + 16, seconds + 16 / rate
+    assert chosen[0][0] == 1 and chosen[1][0] == 0, chosen[:2]  # (the second reply waits for its probe)
+    probes = sum(k > 0 for run in chosen for k in run)
+    assert probes <= 5 and tokens / seconds > 0.98, (probes, tokens / seconds)
+
+
 def test_a_drafter_that_judges_for_free_never_probes_where_drafts_fail_and_drafts_where_they_pass():
     """Prompt lookup's drafts are judged against plain decoding's own tokens
     (NgramDrafter.judge): on text it cannot predict no verify step is spent at
