@@ -247,10 +247,10 @@ class FusedAttention(Attention):
             setattr(fused, name, module)
         return fused
 
-    def forward(self, x, cos, sin, mask, input_pos):
+    def attend(self, x, cos, sin, mask, input_pos):
         T = x.shape[1]
         if not attention_kernel.supported(x.device, x.shape[0], T, self.head_dim):
-            return super().forward(x, cos, sin, mask, input_pos)
+            return super().attend(x, cos, sin, mask, input_pos)
         cache = self.kv_cache
         scales = (cache.k_scale, cache.v_scale) if cache.k.dtype == torch.int8 else (None, None)
         if not self.rope:  # (a layer without RoPE, SmolLM3's: the identity rotation)
@@ -262,7 +262,7 @@ class FusedAttention(Attention):
         y = attention_kernel.decode_attention(qkv, cos.reshape(T, -1), sin.reshape(T, -1), cache.k, cache.v,
                                               input_pos, *scales, window=self.window, scale=self.scale,
                                               qk_norm=qk_norm)
-        return self.wo(y)
+        return y
 
 
 def fuse_for_decode(model: Transformer) -> Transformer:

@@ -392,6 +392,10 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = head_norm(), head_norm()
 
     def forward(self, x, cos, sin, mask, input_pos):
+        return self.wo(self.attend(x, cos, sin, mask, input_pos))
+
+    def attend(self, x, cos, sin, mask, input_pos):
+        """Attention up to its output projection wo: (B, T, heads x head_dim)."""
         B, T, _ = x.shape
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         qkv = self.wqkv(x)
@@ -411,7 +415,7 @@ class Attention(nn.Module):
         else:
             k, v = self.kv_cache.update(input_pos, k, v, mask.shape[-1])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+        return y.transpose(1, 2).reshape(B, T, q_dim)
 
 
 class FeedForward(nn.Module):
@@ -568,8 +572,15 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm, self.post_ffn_norm = after(), after()
 
     def forward(self, x, cos, sin, mask, input_pos, real=None):
-        y = self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
-        h = x + self.post_attention_norm(y)
+        return self.finish(x, self.attend(x, cos, sin, mask, input_pos), real)
+
+    def attend(self, x, cos, sin, mask, input_pos):
+        """The layer's first part: its attention's output before wo."""
+        return self.attention.attend(self.attention_norm(x), cos, sin, mask, input_pos)
+
+    def finish(self, x, y, real=None):
+        """The rest, from attend's y: wo, the MLP, the residual adds."""
+        h = x + self.post_attention_norm(self.attention.wo(y))
         y = self.feed_forward(self.ffn_norm(h), real)
         return h + self.post_ffn_norm(y)
 
@@ -644,8 +655,11 @@ class Transformer(nn.Module):
 
         depth runs the first `depth` layers only, then the final norm and the
         output layer: the target's own shallow draft (speculative.py). block,
-        if given, runs each layer: block(layer, x, cos, sin, mask, input_pos, real)
-        (one compiled forward that every layer shares)."""
+        if given, runs the layers in calls that every layer shares (compiled
+        once, steps.LayerCalls): block.start(layer, x, cos, sin, mask,
+        input_pos) -> y, the first layer's attend; block.between(done, layer,
+        x, y, cos, sin, mask, input_pos, real) -> (x, y), one layer's finish
+        and the next one's attend; block.finish(layer, x, y, real) -> x."""
         ropes = {local: (cos[input_pos], sin[input_pos]) for local, (cos, sin) in self.rope_tables.items()}
         if block_mask is not None:
             masks = block_mask
@@ -658,10 +672,16 @@ class Transformer(nn.Module):
         real = None
         if last is not None and self.args.num_local_experts:  # (B T,) which rows are tokens
             real = (torch.arange(idx.shape[1], device=idx.device) <= last).repeat(idx.shape[0])
-        for layer in self.layers if depth is None else self.layers[:depth]:
-            attention = layer.attention
-            args = (x, *ropes[attention.local_rope], masks[attention.window], input_pos, real)
-            x = block(layer, *args) if block else layer(*args)
+        layers = self.layers if depth is None else self.layers[:depth]
+        around = lambda layer: (*ropes[layer.attention.local_rope], masks[layer.attention.window], input_pos)  # noqa: E731
+        if block is None:
+            for layer in layers:
+                x = layer(x, *around(layer), real)
+        else:
+            y = block.start(layers[0], x, *around(layers[0]))
+            for done, layer in zip(layers, layers[1:]):
+                x, y = block.between(done, layer, x, y, *around(layer), real)
+            x = block.finish(layers[-1], x, y, real)
         if last is not None:
             x = x.index_select(1, last)
         return self.output(self.norm(x)).float()

@@ -8,9 +8,9 @@ runs in one of these ways:
 - graphed: captured in a CUDA graph, one per shape, and replayed (`replayed`);
 - block-compiled (CUDA with the fused attention kernel; decode, verify, and
   prompts the attention kernel takes whole, up to 16 tokens):
-  every TransformerBlock runs one torch.compile'd forward, which the layers
-  share (their weights are its inputs), inside the CUDA graph of the whole
-  step, so a cold compile costs one layer's, not every layer's;
+  the layers run torch.compile'd calls that they share (their weights are
+  its inputs; LayerCalls), inside the CUDA graph of the whole step, so a
+  cold compile costs about two layers', not every layer's;
 - block-compiled from Python (CPUs, when the compile runs beside requests):
   the same compiled block, each step launched eagerly around it, attention
   reading the cache through whole-cache block masks (seconds to compile);
@@ -92,9 +92,34 @@ def short_reductions(x, r0_) -> bool:
     return x.is_number and r0_.is_number and int(x) <= 1024 and 1 < int(r0_) < 256
 
 
-def run_block(layer, x, cos, sin, mask, input_pos, real=None):
-    """One TransformerBlock: what the block-compiled steps compile, once for all layers."""
-    return layer(x, cos, sin, mask, input_pos, real)
+def start_layer(layer, x, cos, sin, mask, input_pos):
+    return layer.attend(x, cos, sin, mask, input_pos)
+
+
+def finish_layer(layer, x, y, real=None):
+    return layer.finish(x, y, real)
+
+
+def finish_and_start(done, layer, x, y, cos, sin, mask, input_pos, real=None):
+    x = done.finish(x, y, real)
+    return x, layer.attend(x, cos, sin, mask, input_pos)
+
+
+class LayerCalls:
+    """The layers as the block-compiled steps run them (Transformer.forward's
+    `block`): each call finishes one layer and starts the next, up to its
+    attention's output, and every layer shares it (their weights are its
+    inputs: compiled once, not once a layer); the first layer's start and the
+    last one's finish are calls of their own. The boundary between two calls
+    so lies between two kernels of ours (attention's, then wo's GEMV), with
+    no elementwise work to fuse across it. At a layer's end it split the
+    residual add from the next layer's norm (int4: its packing of x), which
+    a whole compile fuses into one kernel: one kernel more a layer (the 8B's
+    int4 step: 385 kernels against 350 compiled whole, 0.973x the speed;
+    RESULTS.md)."""
+
+    def __init__(self, wrap=lambda f: f):
+        self.start, self.between, self.finish = wrap(start_layer), wrap(finish_and_start), wrap(finish_layer)
 
 
 def planless_attention(step):
@@ -332,7 +357,7 @@ class Steps:
                        "triton.cudagraphs": cuda and not self.graphed, **self.compile_options}
             compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, options=options)
             if self.to_compile == "block":
-                self.compiled_block = compiled(run_block)
+                self.compiled_block = LayerCalls(compiled)
             else:  # (static shapes: a model of other shapes compiles a graph of its own)
                 self.compiled_whole = compiled(decode_one_token), compiled(rows_logits)
         return self.compiled_block or self.compiled_whole

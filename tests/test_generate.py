@@ -1,4 +1,5 @@
 """Generation: the cached decode loop equals recomputing from scratch; stops, streaming, chat."""
+import functools
 import pytest
 import torch
 
@@ -297,14 +298,15 @@ def test_after_warm_up_no_sampling_setting_or_prompt_length_compiles_again():
 @pytest.mark.compile
 @pytest.mark.slow
 def test_one_compiled_block_serves_every_layer():
-    """The block-compiled step (CUDA's default, steps.py): one compiled
-    TransformerBlock forward, traced once, runs every layer and gives the
-    plain forward's logits, for one token and for a verify step's rows."""
+    """The block-compiled step (CUDA's default, steps.py): the compiled
+    calls, each traced once (the first layer's start, one layer's finish and
+    the next one's start, the last one's finish), run every layer and give
+    the plain forward's logits, for one token and for a verify step's rows."""
     from torch._dynamo.utils import counters
-    from brisklm.steps import run_block
+    from brisklm.steps import LayerCalls
     model = tiny_model(args=ModelArgs(**{**TINY.to_dict(), "num_hidden_layers": 4}))
     model.setup_caches(1, 32)
-    block = torch.compile(run_block, fullgraph=True, dynamic=False)
+    block = LayerCalls(functools.partial(torch.compile, fullgraph=True, dynamic=False))
     before = counters["stats"]["unique_graphs"]
     with torch.no_grad():
         for ids in ([3, 1, 4, 1, 5], [9]):
@@ -313,7 +315,7 @@ def test_one_compiled_block_serves_every_layer():
             want = model(torch.tensor([ids]), pos, kv_len=start + len(ids))
             got = model(torch.tensor([ids]), pos, kv_len=start + len(ids), block=block)
             assert torch.allclose(got, want, atol=1e-5, rtol=0)
-    assert counters["stats"]["unique_graphs"] - before == 2  # (one per shape, not per layer)
+    assert counters["stats"]["unique_graphs"] - before == 6  # (three calls a shape, not one a layer)
 
 
 def test_prefill_shapes_lists_every_graph_a_prompt_can_need():
