@@ -659,7 +659,8 @@ class Transformer(nn.Module):
         once, steps.LayerCalls): block.start(layer, x, cos, sin, mask,
         input_pos) -> y, the first layer's attend; block.between(done, layer,
         x, y, cos, sin, mask, input_pos, real) -> (x, y), one layer's finish
-        and the next one's attend; block.finish(layer, x, y, real) -> x."""
+        and the next one's attend; block.finish(layer, x, y, real, norm,
+        output, last) -> the last layer's finish, then `head`."""
         ropes = {local: (cos[input_pos], sin[input_pos]) for local, (cos, sin) in self.rope_tables.items()}
         if block_mask is not None:
             masks = block_mask
@@ -677,14 +678,18 @@ class Transformer(nn.Module):
         if block is None:
             for layer in layers:
                 x = layer(x, *around(layer), real)
-        else:
-            y = block.start(layers[0], x, *around(layers[0]))
-            for done, layer in zip(layers, layers[1:]):
-                x, y = block.between(done, layer, x, y, *around(layer), real)
-            x = block.finish(layers[-1], x, y, real)
-        if last is not None:
-            x = x.index_select(1, last)
-        return self.output(self.norm(x)).float()
+            return head(x, self.norm, self.output, last)
+        y = block.start(layers[0], x, *around(layers[0]))
+        for done, layer in zip(layers, layers[1:]):
+            x, y = block.between(done, layer, x, y, *around(layer), real)
+        return block.finish(layers[-1], x, y, real, self.norm, self.output, last)
+
+
+def head(x: torch.Tensor, norm: nn.Module, output: nn.Module, last: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits (fp32) of the last layer's x, or of its row `last` only."""
+    if last is not None:
+        x = x.index_select(1, last)
+    return output(norm(x)).float()
 
 
 def scale_embeddings(args: ModelArgs, x: torch.Tensor) -> torch.Tensor:

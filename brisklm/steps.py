@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .model import MoEFeedForward, Transformer, causal_block_mask, decode_block_mask, rows_block_mask
+from .model import MoEFeedForward, Transformer, causal_block_mask, decode_block_mask, head, rows_block_mask
 from .sampling import SamplingParams, sample
 from .speculative import sampled_choices
 
@@ -96,8 +96,8 @@ def start_layer(layer, x, cos, sin, mask, input_pos):
     return layer.attend(x, cos, sin, mask, input_pos)
 
 
-def finish_layer(layer, x, y, real=None):
-    return layer.finish(x, y, real)
+def finish_layer(layer, x, y, real, norm, output, last=None):
+    return head(layer.finish(x, y, real), norm, output, last)
 
 
 def finish_and_start(done, layer, x, y, cos, sin, mask, input_pos, real=None):
@@ -116,7 +116,8 @@ class LayerCalls:
     residual add from the next layer's norm (int4: its packing of x), which
     a whole compile fuses into one kernel: one kernel more a layer (the 8B's
     int4 step: 385 kernels against 350 compiled whole, 0.973x the speed;
-    RESULTS.md)."""
+    RESULTS.md). The last call ends with the model's head (its norm and
+    output layer), which eager took several kernels."""
 
     def __init__(self, wrap=lambda f: f):
         self.start, self.between, self.finish = wrap(start_layer), wrap(finish_and_start), wrap(finish_layer)
