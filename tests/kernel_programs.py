@@ -506,14 +506,15 @@ def decode_attention_kernel_matches_fp64():
 
 def attention_kernel_over_a_few_new_tokens_matches_fp64():
     torch.manual_seed(0)
-    # A few new tokens at once (a speculative verify step): (query heads, KV heads,
-    # head dim, cache length, dtype, int8 cache, window, tokens). Groups of 1, 3, 4
-    # and 8 (two chunks of query rows at 9 tokens), one slice and several, windows
-    # shorter than the tokens (a row sees fewer keys than the one before it).
+    # A few new tokens at once (a speculative verify step, a short prompt): (query heads,
+    # KV heads, head dim, cache length, dtype, int8 cache, window, tokens). Groups of 1,
+    # 3, 4 and 8 (two chunks of query rows at 9 tokens, four at 64), one slice and
+    # several, windows shorter than the tokens (a row sees fewer keys than the one before it).
     cases = [(8, 2, 64, 200, torch.float32, False, None, 5), (9, 3, 64, 300, torch.float32, False, None, 16),
              (16, 2, 32, 700, torch.float32, False, None, 9), (8, 2, 128, 3000, torch.bfloat16, False, None, 5),
              (8, 2, 64, 700, torch.float32, True, None, 4), (4, 4, 32, 300, torch.float32, True, 3, 6),
-             (8, 2, 64, 3000, torch.float32, False, 100, 9), (4, 1, 32, 100, torch.float32, False, 2, 2)]
+             (8, 2, 64, 3000, torch.float32, False, 100, 9), (4, 1, 32, 100, torch.float32, False, 2, 2),
+             (16, 4, 32, 300, torch.float32, False, None, 64), (8, 2, 32, 700, torch.float32, True, 20, 32)]
     assert {attention.num_splits(c[3]) for c in cases} == {1, 2, 4, 16}
     checked = []
     for h, hkv, d, S, dtype, int8, window, T in cases:

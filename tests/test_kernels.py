@@ -130,7 +130,7 @@ def test_decode_attention_kernel_matches_fp64(interpreted):
 
 @pytest.mark.slow
 def test_attention_kernel_over_a_few_new_tokens_matches_fp64(interpreted):
-    assert len(interpreted) == 8
+    assert len(interpreted) == 10
 
 
 @pytest.mark.slow

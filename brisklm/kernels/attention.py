@@ -331,8 +331,9 @@ def num_splits(max_seq_length: int) -> int:
 # decode_attention's qk_norm where the model has no q/k norms: (q weight, k weight, eps, offset)
 NO_NORM = (None, None, 0.0, 0.0)
 
-# The most new tokens a step may bring (a verify step's drafts + 1; a short prompt).
-MAX_TOKENS = 16
+# The most new tokens a step may bring (a verify step's drafts + 1; a short prompt: its graph,
+# up to the 64-token bucket, needs no mask, so the block-compiled steps serve it).
+MAX_TOKENS = 64
 
 
 def supported(device: torch.device, batch: int, tokens: int, head_dim: int) -> bool:
