@@ -7,7 +7,7 @@ runs in one of these ways:
 - eager: PyTorch ops launched from Python (CPUs; BRISKLM_CUDA_GRAPHS=0);
 - graphed: captured in a CUDA graph, one per shape, and replayed (`replayed`);
 - block-compiled (CUDA with the fused attention kernel; decode, verify, and
-  prompts the attention kernel takes whole, up to 16 tokens):
+  prompts the attention kernel takes whole, up to 64 tokens):
   the layers run torch.compile'd calls that they share (their weights are
   its inputs; LayerCalls), inside the CUDA graph of the whole step, so a
   cold compile costs about two layers', not every layer's;
