@@ -378,3 +378,25 @@ def test_a_long_prompt_prefilled_in_chunks_generates_what_one_pass_does():
         a, b = list(plain.tokens(prompt, 6, GREEDY)), list(chunked.tokens(prompt, 6, GREEDY))
         assert a == b, turn
         prompt = prompt + a + [(3 * i) % 61 for i in range(270)]
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_one_compiled_block_serves_a_padded_moe_prompt():
+    """A prompt of 17-64 tokens on a GPU replays the block-compiled steps
+    padded to its bucket (32 or 64 rows, which the attention kernel takes
+    whole): through the block compiled for each bucket, an MoE model's
+    experts gathered by rows on the device with the padding after `last`
+    marked, the last token's logits are the unpadded prompt's."""
+    from brisklm.steps import run_block
+    args = ModelArgs(**{**TINY.to_dict(), "num_local_experts": 4, "num_experts_per_tok": 2})
+    model = tiny_model(args=args).prepare()  # (the experts stacked, as a loaded model's are)
+    model.setup_caches(1, 128)
+    block = torch.compile(run_block, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for n, bucket in ((20, 32), (33, 64)):
+            ids = [(7 * i) % 60 + 1 for i in range(n)]
+            want = model(torch.tensor([ids]), torch.arange(n), kv_len=n)[:, -1]
+            padded = torch.tensor([ids + [0] * (bucket - n)])
+            got = model(padded, torch.arange(bucket), kv_len=bucket, last=torch.tensor([n - 1]), block=block)
+            assert torch.allclose(got[:, -1], want, atol=1e-5, rtol=0), (n, (got[:, -1] - want).abs().max())
