@@ -4,7 +4,9 @@
 
 Correctness at the Llama-3.1-8B and SmolLM2 head shapes, bf16 and int8
 caches, at several filled lengths: the output against fp64, and the new key
-and value the kernel stores against the model's own RoPE and cache write.
+and value the kernel stores against the model's own RoPE and cache write;
+then 5 to MAX_TOKENS new tokens at once (a verify step, a short prompt)
+against fp64, with and without a sliding window.
 The per-head q/k norms inside the kernel (Qwen3's w, Gemma 3's 1 + w)
 against model.RMSNorm applied first: stored keys and outputs equal.
 Then the time of one call (replayed in a CUDA graph) against the bytes of
@@ -97,6 +99,31 @@ def sweep(grid):
         print(key, b)
 
 
+def check_rows(h, hkv, d, S, int8, window, tokens):
+    """A prompt's or a verify step's T new tokens at once: the worst relative
+    error of their outputs against fp64 attention over what the kernel
+    stored, each token over the positions it sees, at several starts."""
+    cache, worst = make(h, hkv, d, S, int8), 0.0
+    for p in (0, 100, S // 2 + 3, S - tokens):
+        qkv = torch.randn(tokens, (h + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        angles = (p + torch.arange(tokens, device="cuda"))[:, None] * torch.rand(d // 2, device="cuda") * 0.01
+        cos, sin = angles.cos(), angles.sin()
+        q = qkv[:, :h * d].view(1, tokens, h, d).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        scales = (cache.k_scale, cache.v_scale) if int8 else ()
+        y = decode_attention(qkv, cos, sin, cache.k, cache.v, torch.tensor([p], device="cuda"), *scales,
+                             window=window)
+        kd, vd = ((getattr(cache, n)[0].double() * (getattr(cache, n + "_scale")[0].double() if int8 else 1))
+                  .repeat_interleave(h // hkv, 0) for n in ("k", "v"))
+        keys, at = torch.arange(S, device="cuda"), p + torch.arange(tokens, device="cuda")
+        seen = (keys[None, :] <= at[:, None]) & (keys[None, :] > at[:, None] - (window or S + 1))
+        scores = (q.double()[0] @ kd.transpose(1, 2) / math.sqrt(d)).masked_fill(~seen, float("-inf"))
+        expect = torch.softmax(scores, -1) @ vd  # (H, T, D)
+        got = y.double().view(tokens, h, d).transpose(0, 1)
+        worst = max(worst, ((got - expect).norm() / expect.norm()).item())
+    return worst
+
+
 def check_qk_norm(h=32, hkv=8, d=128, S=1024):
     """The kernel's q/k norms against RMSNorm applied to qkv first, one token
     and five: (fraction of stored keys equal, worst output relative difference)."""
@@ -148,6 +175,14 @@ def main():
           f"output relative difference {worst:.1e}", flush=True)
     # (the kernel's rsqrt and torch's may differ in the last bit of fp32 and round a few keys apart)
     assert equal > 0.95 and worst < 5e-3, (equal, worst)
+    print("\n| heads (q/kv/dim) | kv | window | new tokens | output: worst relative error vs fp64 |\n"
+          "| --- | --- | --- | --- | --- |")
+    for h, hkv, d, int8, window in ((32, 8, 128, False, None), (32, 8, 128, True, None),
+                                    (32, 8, 128, False, 40), (9, 3, 64, False, None)):
+        for tokens in (5, 16, 17, 32, attention.MAX_TOKENS):
+            err = check_rows(h, hkv, d, 8192, int8, window, tokens)
+            print(f"| {h}/{hkv}/{d} | {'int8' if int8 else 'bf16'} | {window} | {tokens} | {err:.1e} |", flush=True)
+            assert err < 8e-3, (h, hkv, d, int8, window, tokens, err)
     print("\n| kv | cache size | filled | us | GB/s of the filled cache |\n| --- | --- | --- | --- | --- |")
     for int8 in (False, True):
         for S, length in ((256, 5), (33000, 5), (33000, 1024), (33000, 8192), (33000, 32768)):
