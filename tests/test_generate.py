@@ -388,11 +388,11 @@ def test_one_compiled_block_serves_a_padded_moe_prompt():
     whole): through the block compiled for each bucket, an MoE model's
     experts gathered by rows on the device with the padding after `last`
     marked, the last token's logits are the unpadded prompt's."""
-    from brisklm.steps import run_block
+    from brisklm.steps import LayerCalls
     args = ModelArgs(**{**TINY.to_dict(), "num_local_experts": 4, "num_experts_per_tok": 2})
     model = tiny_model(args=args).prepare()  # (the experts stacked, as a loaded model's are)
     model.setup_caches(1, 128)
-    block = torch.compile(run_block, fullgraph=True, dynamic=False)
+    block = LayerCalls(functools.partial(torch.compile, fullgraph=True, dynamic=False))
     with torch.no_grad():
         for n, bucket in ((20, 32), (33, 64)):
             ids = [(7 * i) % 60 + 1 for i in range(n)]
