@@ -70,8 +70,11 @@ def what_compiles(steps, wait: bool) -> tuple[str, str]:
     cpu = steps.device.type == "cpu"
     block = steps.compile_kind(wait) == "block"
     what = "one layer's step" if block else "the decode step"
-    takes = ("~10-30 s" if block else "about 1.5 minutes on 2 CPU cores" if cpu
-             else "minutes") + " the first time, then seconds from the compiler's cache"
+    if block:
+        takes = "about a minute on 2 CPU cores" if cpu else "~10-60 s"
+    else:
+        takes = "about 1.5 minutes on 2 CPU cores" if cpu else "minutes"
+    takes += " the first time, then seconds from the compiler's cache"
     if steps.compiled and wait:
         return f"Compiling {what} ({takes})" + ("" if cpu else "; then capturing CUDA graphs"), ""
     start = "Capturing the steps' CUDA graphs" if steps.graphed or steps.graphed_prefill else "Warming up the steps"
