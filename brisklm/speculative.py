@@ -312,9 +312,12 @@ class StepCosts(dict):
     probes' schedule, which runs across runs too (a request's first step
     used to probe, which cost a short reply several percent wherever the
     drafter's drafts are never kept): plain steps since the last failed
-    probe, the wait it set, and the wait the next failure sets."""
+    probe, the wait it set, and the wait the next failure sets; and whether
+    the drafter's drafts were kept when it last drafted (a reply then looks
+    at once)."""
     plain_since_drafting = 0
     since_probe, wait, interval = 0, 0, 16
+    paying = False
 
 
 class DraftPolicy:
@@ -340,9 +343,17 @@ class DraftPolicy:
     long each time (from 16 steps to 256), and at least as long as keeps
     the probes' extra cost under PROBE_SHARE of the time (a self-draft's
     probe on a small launch-bound model costs 2.5 plain steps); the wait
-    counts the plain steps of later runs too (StepCosts). So speculating on
-    text where it cannot pay costs a few percent at most, over one reply or
-    many short ones.
+    counts the plain steps of later runs too (StepCosts).
+
+    Unless the drafter's drafts were kept when it last drafted, a probe
+    also waits for plain steps of its own run: FIRST_LOOK, or as many as
+    keep that probe's extra cost under PROBE_SHARE of the run. A probe's
+    cost is unknown before the first, and a reply of 16 tokens whose first
+    step probed lost 9% to it on a GPU (up to 28% sampled): no reply pays
+    a probe it is too short to pay for. The price: a drafter whose drafts
+    would be kept starts drafting after FIRST_LOOK tokens of its first
+    reply (later replies look at once). So speculating on text where it
+    cannot pay costs a few percent at most, in each reply.
 
     A drafter that judges its drafts for free (prompt lookup: NgramDrafter.judge
     asks what it would have proposed before each token plain decoding made)
@@ -355,6 +366,7 @@ class DraftPolicy:
     them again; where the text then says drafting pays, a step measures."""
 
     PROBE_SHARE = 0.02
+    FIRST_LOOK = 64  # plain steps of a run before its probe, where no drafts were kept before
     FIRST_PLAIN_RUN = 8  # plain steps that measure a plain step's cost
     JUDGED_RUN = 16  # plain steps between choices, where the drafter judges its drafts for free
     ONE_OFF = 4  # a first drafting step dearer than this many plain ones is measured again
@@ -393,6 +405,7 @@ class DraftPolicy:
         self.judged = self.kept_count = 0.0
         self.probing = False  # whether the step chosen last is a probe
         self.run = 1  # plain steps to take where choose() gave 0
+        self.plain_in_run = 0  # plain steps this run has taken
 
     @property
     def kept(self) -> float:
@@ -447,19 +460,27 @@ class DraftPolicy:
             if self._probe_due():
                 self.probing = True
                 return 1
-            self.run = self._wait() - self.cost.since_probe
+            self.run = self._until_probe()
         return best
 
-    def _wait(self) -> int:
-        """Plain steps from a failed probe to the next: the schedule's, or more
-        where a probe costs so much more than a plain step that PROBE_SHARE asks it."""
+    def _share_wait(self) -> int:
+        """Plain steps that keep a probe's extra cost under PROBE_SHARE of theirs (0: not measured)."""
         cost = self.cost
-        if cost.wait and 0 in cost and 1 in cost:
-            return max(cost.wait, int((cost[1] / cost[0] - 1) / self.PROBE_SHARE) + 1)
-        return cost.wait
+        return int((cost[1] / cost[0] - 1) / self.PROBE_SHARE) + 1 if 0 in cost and 1 in cost else 0
+
+    def _until_probe(self) -> int:
+        """Plain steps until a probe is due: after a failed probe, the
+        schedule's wait (or more, where a probe costs so much more than a
+        plain step that PROBE_SHARE asks it); and unless drafts were kept
+        last, this run's own share (see the class's docstring)."""
+        cost = self.cost
+        due = (max(cost.wait, self._share_wait()) if cost.wait else 0) - cost.since_probe
+        if not cost.paying:
+            due = max(due, max(self.FIRST_LOOK, self._share_wait()) - self.plain_in_run)
+        return due
 
     def _probe_due(self) -> bool:
-        return self.cost.since_probe >= self._wait()
+        return self._until_probe() <= 0
 
     def pays(self, room: int) -> bool:
         """Whether drafting now would give more tokens a second than plain steps
@@ -512,13 +533,15 @@ class DraftPolicy:
         cost = self.cost
         if not proposed:
             cost.since_probe += steps
+            self.plain_in_run += steps
             self._age(steps)
             return
         cost.plain_since_drafting = 0
         self.kept_count = self.decay * self.kept_count + kept
         self.judged = self.decay * self.judged + kept + (kept < proposed)
         if kept:
-            cost.interval = 16
+            cost.interval, cost.paying = 16, True
         elif self.probing:  # wait longer before the next probe
             cost.since_probe, cost.wait, cost.interval = 0, cost.interval, min(2 * cost.interval, 256)
+            cost.paying = False
         self.probing = False
