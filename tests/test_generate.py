@@ -318,6 +318,27 @@ def test_one_compiled_block_serves_every_layer():
     assert counters["stats"]["unique_graphs"] - before == 6  # (three calls a shape, not one a layer)
 
 
+def test_the_layer_calls_give_the_plain_forward_in_every_family():
+    """The block-compiled steps' loop (each call finishes one layer and
+    starts the next, steps.LayerCalls), run uncompiled: the plain forward's
+    logits for Gemma 3's alternating windows and RoPE bases, sandwich norms
+    and q/k norms, SmolLM3's layers without RoPE, an MoE layer's padding
+    rows, and a self-draft's first layers."""
+    from brisklm.steps import LayerCalls
+    gemma = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2, rope_local_base_freq=1e4,
+                 hidden_act="gelu_pytorch_tanh", norm_offset=1.0, sandwich_norms=True, qk_norm=True,
+                 query_pre_attn_scalar=24)
+    for extra in ({}, gemma, dict(no_rope_layers=[1, 0, 1, 0]), dict(num_local_experts=4, num_experts_per_tok=2)):
+        model = tiny_model(args=ModelArgs(**{**TINY.to_dict(), "num_hidden_layers": 4, **extra})).prepare()
+        model.setup_caches(1, 32)
+        ids, pos, last = torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), torch.arange(7), torch.tensor([4])
+        with torch.no_grad():
+            for kw in (dict(kv_len=7), dict(kv_len=7, last=last), dict(kv_len=7, depth=2)):
+                want = model(ids, pos, **kw)
+                got = model(ids, pos, block=LayerCalls(), **kw)
+                assert torch.equal(got, want), (extra, kw)
+
+
 def test_prefill_shapes_lists_every_graph_a_prompt_can_need():
     """The shapes warm_up captures are exactly those prefill_shape can give."""
     from brisklm.steps import prefill_shapes
