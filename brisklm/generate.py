@@ -156,10 +156,11 @@ class Generator:
         # (how many drafts pay: from the step costs measured with this drafter, in this run and before;
         # apart for greedy and sampled runs, whose steps cost differently: a cost measured where drafting
         # did not pay is not measured again, so one kind's must not stop the other's drafting)
+        fresh = StepCosts(paying=getattr(drafter, "hopeful", False))
         try:
-            costs = self.draft_costs.setdefault(drafter, {}).setdefault(params.greedy, StepCosts())
+            costs = self.draft_costs.setdefault(drafter, {}).setdefault(params.greedy, fresh)
         except TypeError:  # (a drafter that cannot be a weak key: measured afresh each run)
-            costs = StepCosts()
+            costs = fresh
         policy = DraftPolicy(k, costs=costs, free_judging=hasattr(drafter, "judge")) if adapt else None
         shortest = {"shortest": policy.SHORTEST_CONTEXT} if policy and policy.free_judging else {}
         settings = params.on(self.device)

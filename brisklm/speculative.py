@@ -231,6 +231,9 @@ class ModelDrafter:
         self.model, self.depth = model, depth
         self.shares_cache = depth is not None
         self.cached: list[int] = []
+        # A draft model is chosen to agree with the target: the policy looks at once (StepCosts.paying).
+        # The target's first layers, untrained to draft, seldom do (RESULTS: never on SmolLM2's 8 of 30).
+        self.hopeful = depth is None
 
     def propose(self, history: list[int], k: int, params: SamplingParams, run):
         """k tokens after history (its last token not yet in any cache), and
@@ -314,10 +317,14 @@ class StepCosts(dict):
     drafter's drafts are never kept): plain steps since the last failed
     probe, the wait it set, and the wait the next failure sets; and whether
     the drafter's drafts were kept when it last drafted (a reply then looks
-    at once)."""
+    at once), before it has drafted: whether they are expected to be (a
+    separate draft model, ModelDrafter.hopeful)."""
     plain_since_drafting = 0
     since_probe, wait, interval = 0, 0, 16
-    paying = False
+
+    def __init__(self, costs=(), paying: bool = False):
+        super().__init__(costs)
+        self.paying = paying
 
 
 class DraftPolicy:
@@ -352,8 +359,10 @@ class DraftPolicy:
     step probed lost 9% to it on a GPU (up to 28% sampled): no reply pays
     a probe it is too short to pay for. The price: a drafter whose drafts
     would be kept starts drafting after FIRST_LOOK tokens of its first
-    reply (later replies look at once). So speculating on text where it
-    cannot pay costs a few percent at most, in each reply.
+    reply (later replies look at once); a separate draft model, chosen to
+    agree with the target, is taken as kept until a probe fails. So
+    speculating on text where it cannot pay costs a few percent at most, in
+    each reply.
 
     A drafter that judges its drafts for free (prompt lookup: NgramDrafter.judge
     asks what it would have proposed before each token plain decoding made)

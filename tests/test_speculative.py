@@ -615,6 +615,9 @@ def test_the_draft_policy_drafts_as_much_as_pays():
     assert chosen == [0] * first + [1] + [4] * (99 - first), chosen  # (the first reply looks late)
     chosen, rate = run_policy(DraftPolicy(4, costs=costs), 1.0, lambda k: 1.0 + 0.05 * k, 100)
     assert chosen == [1] + [4] * 99 and rate > 3.8, (chosen, rate)  # (later ones at once)
+    hopeful = StepCosts(paying=True)  # (a separate draft model: its first reply looks at once too)
+    chosen, _ = run_policy(DraftPolicy(4, costs=hopeful), 1.0, lambda k: 1.0 + 0.05 * k, 20)
+    assert chosen[0] == 1 and chosen[-1] == 4, chosen
     # kept 0.6 of the time at a moderate price: one or two drafts pay (1.23x, 1.23x), eight do not (0.64x)
     chosen, rate = run_policy(DraftPolicy(8), 0.6, lambda k: 1.0 + 0.3 * k, 400)
     assert rate > 1.1, rate
