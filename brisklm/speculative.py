@@ -309,16 +309,12 @@ def sampled_choices(logits: torch.Tensor, ids: torch.Tensor, q: torch.Tensor | N
 
 
 class StepCosts(dict):
-    """Drafts a step -> seconds a step (DraftPolicy.cost), kept across a
-    drafter's runs; the plain steps taken since a drafting step was last
-    measured (DraftPolicy.update forgets drafting costs that old); and the
-    probes' schedule, which runs across runs too (a request's first step
-    used to probe, which cost a short reply several percent wherever the
-    drafter's drafts are never kept): plain steps since the last failed
-    probe, the wait it set, and the wait the next failure sets; and whether
-    the drafter's drafts were kept when it last drafted (a reply then looks
-    at once), before it has drafted: whether they are expected to be (a
-    separate draft model, ModelDrafter.hopeful)."""
+    """What a drafter's runs share (DraftPolicy): drafts a step -> seconds a
+    step; the plain steps since a drafting step was last measured (older
+    drafting costs are forgotten); the probes' schedule (plain steps since
+    the last failed probe, the wait it set, the wait the next failure sets);
+    and `paying`: whether its drafts were kept when it last drafted, or,
+    before it has, whether they are expected to be (ModelDrafter.hopeful)."""
     plain_since_drafting = 0
     since_probe, wait, interval = 0, 0, 16
 
@@ -357,7 +353,7 @@ class DraftPolicy:
     keep that probe's extra cost under PROBE_SHARE of the run. A probe's
     cost is unknown before the first, and a reply of 16 tokens whose first
     step probed lost 9% to it on a GPU (up to 28% sampled): no reply pays
-    a probe it is too short to pay for. The price: a drafter whose drafts
+    a probe it is too short to pay for. The price: a self-draft whose drafts
     would be kept starts drafting after FIRST_LOOK tokens of its first
     reply (later replies look at once); a separate draft model, chosen to
     agree with the target, is taken as kept until a probe fails. So
@@ -482,10 +478,10 @@ class DraftPolicy:
         schedule's wait (or more, where a probe costs so much more than a
         plain step that PROBE_SHARE asks it); and unless drafts were kept
         last, this run's own share (see the class's docstring)."""
-        cost = self.cost
-        due = (max(cost.wait, self._share_wait()) if cost.wait else 0) - cost.since_probe
+        cost, share = self.cost, self._share_wait()
+        due = (max(cost.wait, share) if cost.wait else 0) - cost.since_probe
         if not cost.paying:
-            due = max(due, max(self.FIRST_LOOK, self._share_wait()) - self.plain_in_run)
+            due = max(due, max(self.FIRST_LOOK, share) - self.plain_in_run)
         return due
 
     def _probe_due(self) -> bool:
