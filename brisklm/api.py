@@ -16,6 +16,7 @@ import torch
 
 from . import chat as chat_templates
 from .console import log, quiet_compiler, step
+from .constrain import prepare as prepare_constraints
 from .errors import BriskError, as_user_error
 from .generate import Generator
 from .memory import cache_length, supported_context
@@ -174,10 +175,15 @@ class LLM:
         compile is asked for (brisk chat and serve, which live long enough
         to gain, pass False); always under torchrun, whose ranks switch together.
         `sampled`: the requests' kind where all are one (True: sampled, False:
-        greedy), else both are prepared. Returns the seconds taken (0 when there is nothing to prepare)."""
+        greedy), else both are prepared. Without `prompts` and `constrained`
+        (a server's start), OpenAI's json_object grammar compiles on a worker
+        thread too (constrain.prepare). Returns the seconds taken (0 when there
+        is nothing to prepare)."""
         import torch.distributed as dist
         gen = self.generator
         steps = gen.steps
+        if constrained is None and prompts is None:  # (a server's start: its first json_object request)
+            prepare_constraints(self.tokenizer, self.model.args.vocab_size)
         if steps.warm or not (steps.compiled or steps.graphed or steps.graphed_prefill):
             return 0.0
         cpu = gen.device.type == "cpu"

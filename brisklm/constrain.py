@@ -207,6 +207,15 @@ def compile_grammar(tokenizer, vocab_size: int, json_schema=None, regex=None, gr
     return compiled
 
 
+def prepare(tokenizer, vocab_size: int):
+    """Start compiling OpenAI's json_object grammar on a worker thread, and
+    with it llguidance's tokenizer (the vocabulary's read, about a second
+    that the first constrained request waited for), where llguidance is
+    installed; a long-lived process (brisk serve, chat) calls it at its start."""
+    if tokenizer is not None and available():
+        _POOL.submit(compile_grammar, tokenizer, vocab_size, json_schema={"type": "object"})
+
+
 class Constraint:
     """One generation's state under a Grammar: the allowed set of the next
     token (as a bitmask in a host buffer), advanced by each token chosen."""

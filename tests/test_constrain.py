@@ -102,6 +102,25 @@ def grammar(tokenizer, **given):
     return compile_grammar(tokenizer, TINY.vocab_size, **given)
 
 
+def test_a_server_s_warm_up_compiles_the_json_object_grammar_before_its_first_request(tiny_tokenizer):
+    """LLM.warm_up with neither prompts nor constrained (brisk serve's, load()'s)
+    starts llguidance's tokenizer and the json_object grammar on a worker
+    thread: the first such request finds them compiled."""
+    import time
+
+    from brisklm.api import LLM
+    from brisklm.constrain import _compiler
+    llm = LLM(tiny_model(), tiny_tokenizer, max_seq_length=64)
+    llm.warm_up()
+    key = ("json_schema", json.dumps({"type": "object"}))
+    deadline = time.monotonic() + 30
+    while key not in _compiler(tiny_tokenizer, TINY.vocab_size)[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ahead = _compiler(tiny_tokenizer, TINY.vocab_size)[1].get(key)
+    assert ahead is not None
+    assert grammar(tiny_tokenizer, json_schema={"type": "object"}) is ahead
+
+
 def test_drafts_are_cut_at_the_first_the_grammar_refuses_and_each_row_has_its_position_s_mask(tiny_tokenizer):
     g = grammar(tiny_tokenizer, regex=r"(ab|c)+,")
     ab, c, comma, bc = (TOKENS.index(t) for t in ("ab", "c", ",", "bc"))
