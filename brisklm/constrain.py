@@ -211,9 +211,10 @@ def prepare(tokenizer, vocab_size: int):
     """Start compiling OpenAI's json_object grammar on a worker thread, and
     with it llguidance's tokenizer (the vocabulary's read, about a second
     that the first constrained request waited for), where llguidance is
-    installed; a long-lived process (brisk serve, chat) calls it at its start."""
-    if tokenizer is not None and available():
-        _POOL.submit(compile_grammar, tokenizer, vocab_size, json_schema={"type": "object"})
+    installed (imported there too: nothing of it on the caller's thread).
+    A server's start calls it (LLM.warm_up without prompts)."""
+    if tokenizer is not None:
+        _POOL.submit(lambda: available() and compile_grammar(tokenizer, vocab_size, json_schema={"type": "object"}))
 
 
 class Constraint:
