@@ -34,7 +34,7 @@ def main():
         if chat:
             llm.warm_up(prompts=[])
         llm.wait_compiled()  # (checked: the compiled step, not the one that serves meanwhile)
-        between = (lambda: while_waiting(llm, lambda: time.sleep(0.2))) if chat else (lambda: None)
+        between = (lambda llm=llm: while_waiting(llm, lambda: time.sleep(0.2))) if chat else (lambda: None)
         vocab, out = llm.model.args.vocab_size, []
         for n in (1, 5, 16, 17, 100, 300):
             ids = _prompt(n, vocab, seed=n)
