@@ -16,9 +16,11 @@ schema follow; with --speculate, every request speculates.
 
 The start: load() returns once the uncompiled steps are captured, while
 one layer's step compiles on another thread. The first request runs at
-once; then 200-token greedy runs are timed while the compile goes on;
-then the first request after the compile is ready (the one that switches
-to it, recapturing the decode graphs) against its steady time.
+once; then 200-token greedy runs are timed while the compile goes on (on
+a GPU the decode step's shape compiles first, and the runs switch to it,
+"decoding compiled from", while the other shapes compile); then the first
+request after the compile is ready (the one that switches to it,
+recapturing the graphs) against its steady time.
 
 Each request of the table then makes --new_tokens tokens from a fresh
 cache (random prompt ids, seeded by length). "first" is its first run in the process, "steady"
@@ -138,9 +140,11 @@ def main():
             pass
         return llm.stats.decode_tokens_per_s
 
-    while_compiling = []
+    while_compiling, decode_compiled_s = [], None  # (decode_compiled_s: the first run on the compiled decode step)
     while steps.compiler is not None and steps.compiler.is_alive():
         while_compiling.append(decode_rate())
+        if decode_compiled_s is None and steps.adopted:
+            decode_compiled_s = time.perf_counter() - t0
     compiled_s = time.perf_counter() - t0
     switch = run(5, {}) if steps.compiler is not None else None
     switched = steps.block is not None or steps.whole is not None
@@ -148,7 +152,8 @@ def main():
           f"{len(while_compiling)} runs of 200 tokens while compiling, median "
           f"{statistics.median(while_compiling) if while_compiling else float('nan'):.1f} tok/s; compiled at "
           f"{compiled_s:.1f} s ({steps.compile_s and round(steps.compile_s, 1)} s on its thread); "
-          f"the switching request {switch * 1e3 if switch else float('nan'):.1f} ms; compiled: {switched}", flush=True)
+          f"the switching request {switch * 1e3 if switch else float('nan'):.1f} ms; compiled: {switched}; "
+          f"decoding compiled from {decode_compiled_s and round(decode_compiled_s, 1)} s", flush=True)
     rows = []
     for name, n, sampling in REQUESTS + (WITH_TOKENIZER if llm.tokenizer is not None else []):
         if n + opts.new_tokens > gen.max_seq_length or (opts.max_prompt and n > opts.max_prompt):
@@ -178,6 +183,7 @@ def main():
               "device": f"cpu, {torch.get_num_threads()} threads" if cpu else torch.cuda.get_device_name(),
               "start_s": start_s, "first_token_s": first_token_s, "first_request_ms": first_token * 1e3,
               "decode_while_compiling": while_compiling, "compiled_s": compiled_s, "compile_thread_s": steps.compile_s,
+              "decode_compiled_s": decode_compiled_s,
               "switching_request_ms": switch and switch * 1e3, "compiled": switched,
               "switch_interval": sys.getswitchinterval(), "requests": rows,
               "decode_tokens_per_s": rate, "read_ceiling_gb_s": ceiling, "first_token_ms": first_tokens,

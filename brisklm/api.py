@@ -236,12 +236,17 @@ class LLM:
         with torch.no_grad():
             switched = self.generator.adopt_compiled(end)
         quiet = self.quiet or not announce
-        if switched:
-            log(f"[the compiled step is ready ({steps.compile_s:.1f} s on another thread): "
+        if switched and steps.compiler is not None:  # (the decode step's; the other shapes compile on)
+            log(f"[the compiled decode step is ready ({steps.compile_s:.1f} s on another thread): "
                 f"full speed from here on]", quiet)
+        elif switched:
+            log(f"[the compiled step is ready ({steps.compile_s:.1f} s on another thread): full speed from here on]"
+                if steps.compile_s == steps.compile_stage_s else
+                f"[the compiled steps for prompts are ready too ({steps.compile_s:.1f} s in all)]", quiet)
         elif steps.compiler is None:
             error = str(steps.compile_error).strip().splitlines() or [type(steps.compile_error).__name__]
-            log(f"[compiling the step failed, decoding goes on uncompiled: {error[0][:200]}]", self.quiet)
+            what = "the prompts' steps go on" if steps.adopted else "decoding goes on"
+            log(f"[compiling the step failed, {what} uncompiled: {error[0][:200]}]", self.quiet)
         return switched
 
     def warm_pending(self, stop=lambda: False) -> bool:
@@ -253,10 +258,11 @@ class LLM:
         gen, steps = self.generator, self.generator.steps
         if gen.device.type == "cuda":
             torch.cuda.set_device(gen.device)  # (a thread's own setting)
-        while steps.compiler is not None and steps.compiler.is_alive() and not stop():
-            steps.compiler.join(0.05)
-        if not stop():  # (the compiled step, ready, switched to quietly: the user may be typing)
-            self.switch_compiled(announce=False)
+        while steps.compiler is not None and not stop():  # (each stage: Steps.adopt)
+            while steps.compiler.is_alive() and not stop():
+                steps.compiler.join(0.05)
+            if not stop():  # (the compiled step, ready, switched to quietly: the user may be typing)
+                self.switch_compiled(announce=False)
         with torch.no_grad():
             return steps.warm_pending(stop, room=gen.max_seq_length - len(gen.cached))
 

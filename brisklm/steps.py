@@ -23,7 +23,8 @@ pads to a bucket whose graphs exist, a long one in chunks of the largest.
 
 No request waits for the compiler either (`compile_later`): the steps start
 graphed with the block uncompiled, the block compiles on another thread,
-and the next request after it is ready switches to it (`adopt`).
+and the next request after it is ready switches to it (`adopt`): first for
+the decode step, whose shape compiles first, then for the other shapes.
 """
 from __future__ import annotations
 
@@ -318,7 +319,10 @@ class Steps:
         self.compile_options = compile_options or {}
         self.variants, self.shapes = None, {}  # what warm_up ran (settings), and warm_speculative (model, tokens, depth)
         self.compiler = None  # compile_later's thread, until adopt
-        self.compile_s, self.compile_error = None, None
+        self.stages = []  # what compile_later compiles after the decode step: (shapes, buckets), then adopt
+        self.inside = contextlib.nullcontext  # (compile_later's context for the compiler)
+        self.compile_s, self.compile_error = None, None  # (compile_s: every stage's, compile_stage_s: the last's)
+        self.compile_stage_s = None
         self.reserved = 0  # the cache's last positions compile_later and adopt write
         # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
         model.prepare(device, compiled=self.to_compile == "whole")
@@ -371,11 +375,14 @@ class Steps:
         return (functools.partial(decode_one_token, block=compiled),
                 functools.partial(rows_logits, block=compiled))
 
-    def _use_block(self, block):
-        """The graphed decode and verify steps, each layer run by `block` (None: the layer itself)."""
+    def _use_block(self, block, decode=True, rows=True):
+        """The graphed decode step, and the graphed steps of several rows
+        (verify, draft, prompts of up to kernel_tokens), each layer run by
+        `block` (None: the layer itself)."""
         self.block = block
-        if self.graphed:
+        if self.graphed and decode:
             self._decode = replayed(functools.partial(decode_one_token, block=block))
+        if self.graphed and rows:
             self.graphed_rows = replayed(functools.partial(forward, block=block))
 
     @property
@@ -576,10 +583,14 @@ class Steps:
         CPUs the whole step), for the decode step and each shape warm_up and
         warm_speculative ran, while requests run from the uncompiled steps
         (graphed, or eager); the next request after it is ready adopts it.
-        With `wait`, compile here and adopt it before returning (CUDA's whole
-        compile always: its CUDA graph trees belong to one thread). The
-        compile runs inside the context inside() makes (the front ends'
-        quieting of the compiler). False if there is nothing to compile."""
+        Graphed, the decode step's shape compiles first and is adopted alone,
+        then the other shapes (verify, draft, prompts) on a second thread, so
+        that decoding reaches full speed after one shape's compile, not all
+        of them. With `wait`, compile here and adopt it before returning
+        (CUDA's whole compile always: its CUDA graph trees belong to one
+        thread). The compile runs inside the context inside() makes (the
+        front ends' quieting of the compiler). False if there is nothing to
+        compile."""
         if self.to_compile is None or self.compiling or self.adopted:
             return False
         kind = self.compile_kind(wait)
@@ -587,25 +598,38 @@ class Steps:
             self.model.prepare(self.device, compiled=False)
         self.to_compile = kind
         shapes = list({(id(self.model), 1, None): (self.model, 1, None), **self.shapes}.values())
-        self.reserved = max([n for _, n, _ in shapes] + self.maskless_buckets())
-        # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
-        # interpreter finalizes aborts the process)
-        self.compiler = threading.Thread(target=self._compile, args=(shapes, inside), name=COMPILE_THREAD)
-        if wait or (self.to_compile == "whole" and self.device.type == "cuda"):
+        buckets = self.maskless_buckets()
+        self.reserved = max([n for _, n, _ in shapes] + buckets)
+        wait = wait or (self.to_compile == "whole" and self.device.type == "cuda")
+        # (staged only where requests replay graphs: one that ran the compiled block from Python while
+        # another shape compiles would meet the compiler inside it)
+        staged = self.graphed and not wait and len(shapes) + len(buckets) > 1
+        self.stages = [(shapes[1:], buckets)] if staged else []
+        self.inside = inside
+        self._start_compile(shapes[:1] if staged else shapes, [] if staged else buckets, start=not wait)
+        if wait:
             self.compiler.run()
             if self.compile_error is not None:
                 self.compiler = None
                 raise self.compile_error
             self.adopt(self.max_seq_length)
-        else:
-            random_state_left_alone()
-            self.compiler.start()
         return True
 
-    def _compile(self, shapes, inside=contextlib.nullcontext):
+    def _start_compile(self, shapes, buckets, start=True):
+        """compile_later's thread over these shapes (not started: compile_later runs it itself)."""
+        # (not a daemon: the interpreter's exit waits for it, as a thread inside the compiler when the
+        # interpreter finalizes aborts the process)
+        self.compiler = threading.Thread(target=self._compile, args=(shapes, buckets, self.inside),
+                                         name=COMPILE_THREAD)
+        if start:
+            random_state_left_alone()
+            self.compiler.start()
+
+    def _compile(self, shapes, buckets, inside=contextlib.nullcontext):
         """compile_later's work: each compiled function run once on each shape
-        (model, tokens, depth) it serves, at the cache's last positions (which
-        no request reaches meanwhile: adopt waits for this first where one could)."""
+        (model, tokens, depth) it serves, and on each of the prompt lengths
+        `buckets` graphed, at the cache's last positions (which no request
+        reaches meanwhile: adopt waits for this first where one could)."""
         t0 = time.perf_counter()
         if threading.current_thread().name == COMPILE_THREAD:
             yield_the_cores()
@@ -620,7 +644,7 @@ class Steps:
                             for m, n, depth in shapes]
                     last = torch.zeros(1, dtype=torch.long, device=self.device)  # (a prompt's: an MoE layer's rows)
                     runs += [functools.partial(forward, self.model, ids(n), tail(self.model, n), last=last,
-                                               block=compiled) for n in self.maskless_buckets()]
+                                               block=compiled) for n in buckets]
                 else:
                     whole, rows = self.masked_steps(compiled)
                     # (the block's sampling runs eager, so greedy alone: a sampled run beside requests would
@@ -635,7 +659,8 @@ class Steps:
                     torch.cuda.current_stream(self.device).synchronize()
         except Exception as e:  # (said by the caller; the steps stay uncompiled)
             self.compile_error = e
-        self.compile_s = time.perf_counter() - t0
+        self.compile_stage_s = time.perf_counter() - t0
+        self.compile_s = (self.compile_s or 0.0) + self.compile_stage_s
 
     @property
     def compiling(self) -> bool:
@@ -650,26 +675,36 @@ class Steps:
         what compile_later compiled, if it is ready; if it is not, wait for
         it only where the request could reach the positions the compile
         writes. The graphs the uncompiled block ran are captured again with
-        the compiled one. True if this call switched; after a failed compile
-        (compile_error) the steps stay uncompiled."""
+        the compiled one. Once the decode step is adopted, the other shapes
+        compile on (`stages`), adopted by a later call. True if this call
+        switched; after a failed compile (compile_error) the steps stay as
+        they were."""
         if self.compiler is None:
             if self.to_compile and self.variants is None and not self.adopted:  # (no warm-up: the first
                 # steps compile as they run)
                 self._switch(recapture=False)
             return False
-        if self.compiler.is_alive() and end <= self.max_seq_length - self.reserved:
-            return False
-        if self.compiler.ident is not None:
-            self.compiler.join()
-        self.compiler = None
-        if self.compile_error is not None:
-            return False
-        self._switch(recapture=True)
-        return True
+        switched = False
+        while self.compiler is not None:
+            if self.compiler.is_alive() and end <= self.max_seq_length - self.reserved:
+                break
+            if self.compiler.ident is not None:
+                self.compiler.join()
+            self.compiler = None
+            if self.compile_error is not None:
+                self.stages = []
+                break
+            self._switch(recapture=True, decode=not self.adopted, rows=not self.stages)
+            switched = True
+            if self.stages:
+                self._start_compile(*self.stages.pop(0))
+        return switched
 
-    def _switch(self, recapture: bool):
-        """Run the compiled functions from now on; with `recapture`, warm them up
-        as warm_up did the uncompiled ones (the graphs they ran, captured again)."""
+    def _switch(self, recapture: bool, decode=True, rows=True):
+        """Run the compiled functions from now on (graphed: for the decode
+        step, the steps of several rows, or both); with `recapture`, warm
+        them up as warm_up did the uncompiled ones (the graphs they ran,
+        captured again)."""
         if not self.graphed:
             self.whole, self.rows = self.masked_steps(self.compiled_functions())
             self._decode = self.whole
@@ -679,12 +714,12 @@ class Steps:
                     for _ in range(2):
                         self.logits([0] * n, model.max_seq_length - n, model=model, depth=depth)
             return
-        decode, rows = self._decode, self.graphed_rows
-        self._use_block(self.compiled_functions())
-        for old, new in ((decode, self._decode), (rows, self.graphed_rows)) if recapture else ():
-            for _, ((model, ids, pos, *rest), kwargs), _ in old.graphs.values():
+        old = self._decode, self.graphed_rows
+        self._use_block(self.compiled_functions(), decode, rows)
+        for before, now in zip(old, (self._decode, self.graphed_rows)) if recapture else ():
+            for _, ((model, ids, pos, *rest), kwargs), _ in (before.graphs.values() if now is not before else ()):
                 self.reserved = max(self.reserved, len(pos))
-                new(model, ids, tail(model, len(pos)), *rest, **kwargs)
+                now(model, ids, tail(model, len(pos)), *rest, **kwargs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
