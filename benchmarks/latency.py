@@ -141,7 +141,7 @@ def main():
         return llm.stats.decode_tokens_per_s
 
     while_compiling, decode_compiled_s = [], None  # (decode_compiled_s: the first run on the compiled decode step)
-    while steps.compiler is not None and steps.compiler.is_alive():
+    while steps.compiler is not None and (steps.compiler.is_alive() or steps.stages):  # (every stage's compile)
         while_compiling.append(decode_rate())
         if decode_compiled_s is None and steps.adopted:
             decode_compiled_s = time.perf_counter() - t0
