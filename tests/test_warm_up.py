@@ -295,3 +295,64 @@ def test_eager_steps_on_cuda_keep_attention_off_cudnn():
     assert planless_attention(step)(1) == 2
     assert seen == [(False, True, True, True)]
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_graphed_the_decode_step_is_switched_to_before_the_other_shapes_compile(monkeypatch):
+    """Where the steps replay graphs of their own (a GPU's flags here; each
+    graph a stand-in that runs its step and keeps its setting, as
+    steps.replayed keys them), the decode step's shape compiles alone
+    first: the next request switches the decode step to it and starts the
+    other shapes' compile (here the prompts the attention kernel takes
+    whole), whose graphs stay uncompiled until a later request switches
+    them too. Each switch captures again the graphs it changes; every
+    stage gives the uncompiled steps' tokens, and nothing compiles after
+    the last switch."""
+    import brisklm.steps as steps_module
+    from torch._dynamo.utils import counters
+
+    def replayed(step):  # (CUDA graphs do not run here)
+        def run(*args, **kwargs):
+            key = tuple((a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values()))
+            run.graphs.setdefault(key, (None, (args, kwargs), None))
+            return step(*args, **kwargs)
+        run.graphs, run.step = {}, step
+        return run
+
+    monkeypatch.setattr(steps_module, "replayed", replayed)
+    reference = Generator(tiny_model(), 256)
+    want = {n: list(reference.tokens(list(range(1, n + 1)), 8, GREEDY)) for n in (3, 16)}
+    gen = Generator(tiny_model(), 256, compile=True)
+    steps = gen.steps
+    steps.graphed, steps.kernel_tokens, steps.to_compile = True, 16, "block"
+    steps.graphed_forward = steps.graphed_prefill = replayed(forward)
+    steps._use_block(None)
+    steps.warm_up([None])
+    block = lambda graphed: graphed.step.keywords["block"]  # noqa: E731
+    held, stages, compile_steps = threading.Event(), [], steps._compile
+
+    def compile_held(shapes, buckets, inside):  # (each stage when the test lets it)
+        stages.append(([n for _, n, _ in shapes], buckets))
+        held.wait()
+        compile_steps(shapes, buckets, inside)
+
+    steps._compile = compile_held
+    held.set()
+    assert steps.compile_later()
+    steps.compiler.join()
+    held.clear()  # (the second stage waits: the requests below run the compiled block from Python)
+    decode_graphs = set(steps._decode.graphs)
+    assert list(gen.tokens([1, 2, 3], 8, GREEDY)) == want[3]
+    assert block(steps._decode) is steps.compiled_block and block(steps.graphed_rows) is None
+    assert set(steps._decode.graphs) >= decode_graphs  # (captured again with the compiled block)
+    assert stages == [([1], []), ([], [1, 16])] and steps.compiling and steps.compile_s is not None
+    assert list(gen.tokens(list(range(1, 17)), 8, GREEDY)) == want[16]  # (its graph: still uncompiled)
+    held.set()
+    steps.compiler.join()
+    assert list(gen.tokens([1, 2, 3], 8, GREEDY)) == want[3]
+    assert block(steps.graphed_rows) is steps.compiled_block and not steps.compiling and not steps.stages
+    traced = counters["stats"]["unique_graphs"]
+    assert list(gen.tokens(list(range(1, 17)), 8, GREEDY)) == want[16]
+    assert len(list(gen.tokens([5] * 9, 6, SamplingParams(temperature=0.8, top_p=0.9), seed=1))) == 6
+    assert counters["stats"]["unique_graphs"] == traced
