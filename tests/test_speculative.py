@@ -757,3 +757,19 @@ def test_a_drafter_that_cannot_be_a_weak_key_still_speculates():
     spec = Generator(tiny_model(), 256)
     assert list(spec.tokens(PROMPTS[0], 40, GREEDY, drafter=Lookup())) == want
     assert not spec.draft_costs
+
+
+def test_lookup_bound_counts_the_longest_agreeing_continuation():
+    """benchmarks/lookup_bound.py's oracle: a reply that copies the prompt
+    after its first token is drafted whole (up to the drafts a step), and one
+    that never repeats a token keeps nothing."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "lookup_bound.py"
+    spec = importlib.util.spec_from_file_location("lookup_bound", path)
+    bound = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bound)
+    prompt, reply = [7, 1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5, 9]
+    assert bound.tokens_a_step(prompt, reply, drafts=8) == 3.0  # (1 alone, then 2..9 drafted after it)
+    assert bound.tokens_a_step(prompt, reply, drafts=2) == 2.0  # (1; 2, 3, 4; 5, 9)
+    assert bound.tokens_a_step([1, 2], [3, 4, 5], drafts=8) == 1.0
