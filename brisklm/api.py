@@ -233,16 +233,18 @@ class LLM:
         steps = self.generator.steps
         if steps.compiler is None:
             return False
+        adopted_before = steps.adopted  # (the decode step's stage, where the compile has two)
         with torch.no_grad():
             switched = self.generator.adopt_compiled(end)
         quiet = self.quiet or not announce
         if switched and steps.compiler is not None:  # (the decode step's; the other shapes compile on)
             log(f"[the compiled decode step is ready ({steps.compile_s:.1f} s on another thread): "
                 f"full speed from here on]", quiet)
+        elif switched and adopted_before:
+            log(f"[the compiled steps for prompts are ready too ({steps.compile_s:.1f} s in all)]", quiet)
         elif switched:
-            log(f"[the compiled step is ready ({steps.compile_s:.1f} s on another thread): full speed from here on]"
-                if steps.compile_s == steps.compile_stage_s else
-                f"[the compiled steps for prompts are ready too ({steps.compile_s:.1f} s in all)]", quiet)
+            log(f"[the compiled step is ready ({steps.compile_s:.1f} s on another thread): full speed from here on]",
+                quiet)
         elif steps.compiler is None:
             error = str(steps.compile_error).strip().splitlines() or [type(steps.compile_error).__name__]
             what = "the prompts' steps go on" if steps.adopted else "decoding goes on"

@@ -321,8 +321,7 @@ class Steps:
         self.compiler = None  # compile_later's thread, until adopt
         self.stages = []  # what compile_later compiles after the decode step: (shapes, buckets), then adopt
         self.inside = contextlib.nullcontext  # (compile_later's context for the compiler)
-        self.compile_s, self.compile_error = None, None  # (compile_s: every stage's, compile_stage_s: the last's)
-        self.compile_stage_s = None
+        self.compile_s, self.compile_error = None, None  # (compile_s: every stage's, summed)
         self.reserved = 0  # the cache's last positions compile_later and adopt write
         # each weight format in the layout this device (and a compiled step on a CPU) reads fastest
         model.prepare(device, compiled=self.to_compile == "whole")
@@ -659,8 +658,7 @@ class Steps:
                     torch.cuda.current_stream(self.device).synchronize()
         except Exception as e:  # (said by the caller; the steps stay uncompiled)
             self.compile_error = e
-        self.compile_stage_s = time.perf_counter() - t0
-        self.compile_s = (self.compile_s or 0.0) + self.compile_stage_s
+        self.compile_s = (self.compile_s or 0.0) + time.perf_counter() - t0
 
     @property
     def compiling(self) -> bool:
