@@ -234,6 +234,28 @@ COMPILE_THREAD = "brisklm-compile"
 COMPILE_NICENESS = 10
 
 
+# While the compile thread runs beside graphed requests (CUDA), the interpreter's switch interval
+# is this short. Each torch call of a request's step releases Python's lock, the compile (Python
+# tracing, most of its work on a GPU) takes it, and the request gets it back only when the
+# interpreter forces a switch: at the default 5 ms the 8B preset decoded at 63 tok/s beside the
+# compile, at 0.1 ms 124 (one H100; benchmarks/RESULTS.md).
+COMPILE_SWITCH_INTERVAL_S = 1e-4
+
+
+@contextlib.contextmanager
+def quick_switches(on: bool):
+    """sys.setswitchinterval(COMPILE_SWITCH_INTERVAL_S) inside, if on (the
+    setting is the process's: restored after)."""
+    before = sys.getswitchinterval()
+    if on:
+        sys.setswitchinterval(min(before, COMPILE_SWITCH_INTERVAL_S))
+    try:
+        yield
+    finally:
+        if on:
+            sys.setswitchinterval(before)
+
+
 def yield_the_cores():
     """Lower this thread's CPU priority, and so that of the C++ compiler it
     starts (Linux: niceness is a thread's, inherited by its children)."""
@@ -633,7 +655,8 @@ class Steps:
         if threading.current_thread().name == COMPILE_THREAD:
             yield_the_cores()
         try:
-            with CAPTURING, torch.no_grad(), inside():
+            beside = self.device.type == "cuda" and threading.current_thread().name == COMPILE_THREAD
+            with CAPTURING, torch.no_grad(), inside(), quick_switches(beside):
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)  # (a thread's own setting)
                 compiled = self.compiled_functions()

@@ -226,6 +226,23 @@ def test_the_compile_thread_yields_the_cores_to_requests():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
+def test_the_switch_interval_is_short_while_a_compile_runs_beside_graphed_requests():
+    """Beside the compile thread (Python tracing that keeps the interpreter's
+    lock), a request gets the lock back after each torch call within the
+    short interval; outside, the process's own interval is as it was, also
+    after a compile that failed."""
+    from brisklm.steps import COMPILE_SWITCH_INTERVAL_S, quick_switches
+    before = sys.getswitchinterval()
+    with quick_switches(False):
+        assert sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError):
+        with quick_switches(True):
+            assert sys.getswitchinterval() == pytest.approx(min(before, COMPILE_SWITCH_INTERVAL_S))
+            assert sys.getswitchinterval() < before
+            raise RuntimeError("the compile failed")
+    assert sys.getswitchinterval() == before
+
+
 @pytest.mark.compile
 def test_the_compiled_step_is_switched_to_between_requests():
     """Where the process waits (brisk chat for the user's input, brisk serve
