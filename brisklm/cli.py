@@ -26,7 +26,7 @@ def _model_flags(p: argparse.ArgumentParser):
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile the decode step (the default on CUDA, and on CPUs for chat and serve; "
-                   "brisk generate: where it decodes 1024 tokens or more)")
+                   "brisk generate: where it decodes 1024 tokens or more; asked for, generate waits for it)")
     p.add_argument("--no_compile", dest="compile", action="store_false",
                    help="run the steps uncompiled (on CUDA the decode step is still replayed from a CUDA graph)")
     p.add_argument("--compile_prefill", action="store_true", default=None,
@@ -353,6 +353,9 @@ def cmd_generate(args):
     from .constrain import from_files
     constraint = from_files(args.json_schema, args.grammar, args.regex, args.json_object)
     quiet = args.quiet or args.json
+    # (asked for, the compile is waited for: a sample decodes on the step it starts with, and
+    # beside the compile, which holds Python's lock, the uncompiled step decodes slower still)
+    asked = args.compile is True
     one_shot = args.compile is None and args.num_samples * args.max_new_tokens < ONE_SHOT_COMPILE_TOKENS
     if one_shot:
         args.compile = False  # (the compile, on another thread, would end after the run it competes with)
@@ -378,7 +381,7 @@ def cmd_generate(args):
     llm.check(prompt_ids, args.max_new_tokens)  # before any compile
     # (this prompt's graphs only: a one-shot run needs no others)
     llm.warm_up(prompt_ids, quiet=quiet, prompts=[len(prompt_ids)], constrained=bool(constraint),
-                sampled=args.temperature > 0)
+                sampled=args.temperature > 0, wait=True if asked else None)
     device = llm.generator.device
     rates, samples = [], []
     for i in range(args.num_samples):
