@@ -18,7 +18,9 @@ The start: load() returns once the uncompiled steps are captured, while
 one layer's step compiles on another thread. The first request runs at
 once; then 200-token greedy runs are timed while the compile goes on (on
 a GPU the decode step's shape compiles first, and the runs switch to it,
-"decoding compiled from", while the other shapes compile); then the first
+"decoding compiled from", while the other shapes compile; their rate is
+all their tokens over all their time, the runs before the switch also
+apart); then the first
 request after the compile is ready (the one that switches to it,
 recapturing the graphs) against its steady time.
 
@@ -80,6 +82,9 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--max_prompt", type=int, help="leave out the requests of longer prompts (a CPU's eager prefill)")
     p.add_argument("--switch_interval", type=float, help="sys.setswitchinterval (s) for the whole run")
+    p.add_argument("--compile_switch_interval", type=float,
+                   help="the switch interval while the compile runs beside requests on a GPU "
+                   "(steps.COMPILE_SWITCH_INTERVAL_S; 0.005 is Python's default)")
     opts = p.parse_args()
     if opts.switch_interval:
         sys.setswitchinterval(opts.switch_interval)
@@ -94,8 +99,12 @@ def main():
     from torch._dynamo.utils import counters
 
     import brisklm
+    import brisklm.steps
     from brisklm.bench import _prompt, read_ceiling_gb_s
+    from brisklm.constrain import available as constraints_available
     from brisklm.model import kv_bytes_per_position
+    if opts.compile_switch_interval:
+        brisklm.steps.COMPILE_SWITCH_INTERVAL_S = opts.compile_switch_interval
     device = torch.device(opts.device)
     cpu = device.type == "cpu"
     llm = brisklm.load(opts.gguf, preset=opts.preset, device=opts.device, dtype=opts.dtype, quantize=opts.quantize,
@@ -140,23 +149,34 @@ def main():
             pass
         return llm.stats.decode_tokens_per_s
 
-    while_compiling, decode_compiled_s = [], None  # (decode_compiled_s: the first run on the compiled decode step)
+    # (decode_compiled_s: the first run on the compiled decode step; before_switch: the runs before it,
+    # uncompiled beside the decode step's compile)
+    while_compiling, before_switch, decode_compiled_s = [], [], None
+    over_time = lambda rates: statistics.harmonic_mean(rates) if rates else float("nan")  # noqa: E731 (tokens / time)
     while steps.compiler is not None and (steps.compiler.is_alive() or steps.stages):  # (every stage's compile)
         while_compiling.append(decode_rate())
+        if not steps.adopted:  # (a request switches at its start: this one ran uncompiled throughout)
+            before_switch.append(while_compiling[-1])
         if decode_compiled_s is None and steps.adopted:
             decode_compiled_s = time.perf_counter() - t0
     compiled_s = time.perf_counter() - t0
     switch = run(5, {}) if steps.compiler is not None else None
     switched = steps.block is not None or steps.whole is not None
     print(f"start {start_s:.1f} s, first request {first_token * 1e3:.1f} ms (at {first_token_s:.1f} s); "
-          f"{len(while_compiling)} runs of 200 tokens while compiling, median "
-          f"{statistics.median(while_compiling) if while_compiling else float('nan'):.1f} tok/s; compiled at "
+          f"{len(while_compiling)} runs of 200 tokens while compiling, {over_time(while_compiling):.1f} tok/s, of "
+          f"which {len(before_switch)} before the switch to the compiled decode step, "
+          f"{over_time(before_switch):.1f} tok/s; compiled at "
           f"{compiled_s:.1f} s ({steps.compile_s and round(steps.compile_s, 1)} s on its thread); "
           f"the switching request {switch * 1e3 if switch else float('nan'):.1f} ms; compiled: {switched}; "
           f"decoding compiled from {decode_compiled_s and round(decode_compiled_s, 1)} s", flush=True)
     rows = []
+    constrained = constraints_available()
+    if llm.tokenizer is not None and not constrained:
+        print("(llguidance is not installed: the JSON requests are left out; pip install 'brisklm[constrain]')")
     for name, n, sampling in REQUESTS + (WITH_TOKENIZER if llm.tokenizer is not None else []):
         if n + opts.new_tokens > gen.max_seq_length or (opts.max_prompt and n > opts.max_prompt):
+            continue
+        if "json_schema" in sampling and not constrained:
             continue
         compiles, graphs = counters["stats"]["unique_graphs"], captured()
         first = run(n, sampling)
@@ -183,7 +203,8 @@ def main():
               "device": f"cpu, {torch.get_num_threads()} threads" if cpu else torch.cuda.get_device_name(),
               "start_s": start_s, "first_token_s": first_token_s, "first_request_ms": first_token * 1e3,
               "decode_while_compiling": while_compiling, "compiled_s": compiled_s, "compile_thread_s": steps.compile_s,
-              "decode_compiled_s": decode_compiled_s,
+              "decode_compiled_s": decode_compiled_s, "decode_before_switch": before_switch,
+              "compile_switch_interval": brisklm.steps.COMPILE_SWITCH_INTERVAL_S,
               "switching_request_ms": switch and switch * 1e3, "compiled": switched,
               "switch_interval": sys.getswitchinterval(), "requests": rows,
               "decode_tokens_per_s": rate, "read_ceiling_gb_s": ceiling, "first_token_ms": first_tokens,
