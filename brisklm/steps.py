@@ -687,6 +687,14 @@ class Steps:
     def compiling(self) -> bool:
         return self.compiler is not None
 
+    def decode_ready_midway(self, written: int) -> bool:
+        """Whether the decode step's compile has finished and a request that
+        has written the cache below `written` can switch to it between two
+        of its steps (adopt's recapture writes the cache's last `reserved`
+        positions)."""
+        return (self.compiler is not None and not self.adopted and not self.compiler.is_alive()
+                and self.compiler.ident is not None and written <= self.max_seq_length - self.reserved)
+
     @property
     def adopted(self) -> bool:
         return self.block is not None or self.whole is not None

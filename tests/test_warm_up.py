@@ -271,6 +271,26 @@ def test_the_compiled_step_is_switched_to_between_requests():
     app.state.engine.worker.shutdown()
 
 
+@pytest.mark.compile
+def test_a_request_switches_to_the_compiled_step_between_two_of_its_steps():
+    """A request that started while the block compiled switches to it between
+    two of its steps once it is ready (a long one would otherwise decode
+    uncompiled to its end), and its greedy tokens are those of a request that
+    ran uncompiled throughout."""
+    from brisklm.api import LLM
+    want = list(LLM(tiny_model(), None, max_seq_length=128).stream_ids([1, 2, 3], 40, stop_ids=()))
+    llm = LLM(tiny_model(), None, max_seq_length=128, compile=True)
+    llm.warm_up(prompts=[], wait=False)
+    steps = llm.generator.steps
+    run = llm.stream_ids([1, 2, 3], 40, stop_ids=())
+    got = [next(run) for _ in range(5)]
+    assert steps.compiling and not steps.adopted
+    steps.compiler.join()  # (the request paused between two steps meanwhile)
+    got += list(run)
+    assert steps.adopted and not steps.compiling
+    assert got == want
+
+
 def test_running_uncompiled_steps_never_imports_the_compiler():
     """Our custom ops exist for the compiler; called outside a trace, an op
     imports torch._dynamo (a second of a warm start), so the uncompiled
