@@ -116,7 +116,7 @@ def run_cli(args, timeout=900):
     if done.returncode:
         raise SystemExit(f"CLI failed with {done.returncode}")
     rate = float(re.search(r"Average decode: ([\d.]+) tokens/s", done.stderr).group(1))
-    comp = re.search(r"(?:[Cc]ompiled in|compiled (?:decode )?step is ready \()([\d.]+) s", done.stderr)
+    comp = re.search(r"(?:[Cc]ompiled in |compiled (?:decode )?step is ready \()([\d.]+) s", done.stderr)
     return rate, float(comp.group(1)) if comp else None, done.stdout
 
 
