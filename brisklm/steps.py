@@ -691,9 +691,11 @@ class Steps:
         """Whether the decode step's compile has finished and a request that
         has written the cache below `written` can switch to it between two
         of its steps (adopt's recapture writes the cache's last `reserved`
-        positions)."""
+        positions; a failed compile is left to the next request's switch,
+        which says so)."""
         return (self.compiler is not None and not self.adopted and not self.compiler.is_alive()
-                and self.compiler.ident is not None and written <= self.max_seq_length - self.reserved)
+                and self.compiler.ident is not None and self.compile_error is None
+                and written <= self.max_seq_length - self.reserved)
 
     @property
     def adopted(self) -> bool:

@@ -291,6 +291,31 @@ def test_a_request_switches_to_the_compiled_step_between_two_of_its_steps():
     assert got == want
 
 
+@pytest.mark.compile
+def test_a_compile_that_failed_beside_a_request_is_said_by_the_next_one(capsys):
+    """A compile that failed on its thread is not switched to between a
+    request's steps; decoding goes on uncompiled, and the next request's
+    start says what failed, once."""
+    from brisklm.api import LLM
+    from brisklm.steps import CAPTURING
+    llm = LLM(tiny_model(), None, max_seq_length=128, compile=True, compile_options={"no_such_option": 1})
+    with CAPTURING:  # (the compile's thread waits for it: the request starts first)
+        llm.warm_up(prompts=[], wait=False)
+        llm.quiet = False
+        steps = llm.generator.steps
+        run = llm.stream_ids([1, 2, 3], 20, stop_ids=())
+        got = [next(run)]
+    steps.compiler.join()
+    got += list(run)
+    assert len(got) == 20 and not steps.adopted and steps.compile_error is not None
+    capsys.readouterr()
+    assert len(list(llm.stream_ids([1, 2, 3], 4, stop_ids=()))) == 4
+    said = capsys.readouterr().err
+    assert said.count("compiling the step failed") == 1 and "no_such_option" in said, said
+    list(llm.stream_ids([1, 2, 3], 4, stop_ids=()))
+    assert "failed" not in capsys.readouterr().err
+
+
 def test_running_uncompiled_steps_never_imports_the_compiler():
     """Our custom ops exist for the compiler; called outside a trace, an op
     imports torch._dynamo (a second of a warm start), so the uncompiled
