@@ -327,7 +327,7 @@ class Generator:
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         i = 0
         while i <= steps:
-            if i < steps and self.steps.decode_ready_midway(pos + i + 1):  # (a long run gains from it now)
+            if i < steps and self.steps.decode_ready_midway(pos + steps + 1):  # (a long run gains from it now)
                 self._sync()  # (the step queued last replays the graph the switch replaces)
                 self.adopt_compiled(pos + steps + 1)
             host = token.to("cpu", non_blocking=True)

@@ -687,15 +687,16 @@ class Steps:
     def compiling(self) -> bool:
         return self.compiler is not None
 
-    def decode_ready_midway(self, written: int) -> bool:
-        """Whether the decode step's compile has finished and a request that
-        has written the cache below `written` can switch to it between two
-        of its steps (adopt's recapture writes the cache's last `reserved`
-        positions; a failed compile is left to the next request's switch,
-        which says so)."""
+    def decode_ready_midway(self, end: int) -> bool:
+        """Whether the decode step's compile has finished and a running
+        request that reaches no position from `end` on can switch to it
+        between two of its steps: adopt's recapture, and the next stage's
+        compile after it, write the cache's last `reserved` positions, which
+        a request reaching them would wait for (a failed compile is left to
+        the next request's switch, which says so)."""
         return (self.compiler is not None and not self.adopted and not self.compiler.is_alive()
                 and self.compiler.ident is not None and self.compile_error is None
-                and written <= self.max_seq_length - self.reserved)
+                and end <= self.max_seq_length - self.reserved)
 
     @property
     def adopted(self) -> bool:
