@@ -230,7 +230,11 @@ class LLM:
         `end` the positions it can reach), said on one line (announce); a
         failed compile is said once, and decoding goes on uncompiled. True
         if this call switched."""
-        steps = self.generator.steps
+        steps, midway = self.generator.steps, self.generator.switched_midway
+        if midway is not None:  # (not said in the middle of a request's text)
+            self.generator.switched_midway = None
+            log(f"[the compiled decode step is ready ({midway:.1f} s on another thread): the last request "
+                f"switched to it]", self.quiet or not announce)
         if steps.compiler is None:
             return False
         adopted_before = steps.adopted  # (the decode step's stage, where the compile has two)

@@ -92,6 +92,7 @@ class Generator:
         self.cached: list[int] = []  # tokens whose keys/values are in the cache
         self.prompt_span = (0, 0)  # the positions the last prompt forward wrote (reuse)
         self.steps = Steps(model, max_seq_length, compile, compile_prefill, compile_options)
+        self.switched_midway = None  # (the compile's seconds, where a request switched to it: said later)
         self.draft_costs = weakref.WeakKeyDictionary()  # drafter -> greedy -> seconds a step by drafts
         self.stats = GenerationStats(weight_bytes=weight_bytes_per_token(model))
 
@@ -329,7 +330,8 @@ class Generator:
         while i <= steps:
             if i < steps and self.steps.decode_ready_midway(pos + steps + 1):  # (a long run gains from it now)
                 self._sync()  # (the step queued last replays the graph the switch replaces)
-                self.adopt_compiled(pos + steps + 1)
+                if self.adopt_compiled(pos + steps + 1):
+                    self.switched_midway = self.steps.compile_s
             host = token.to("cpu", non_blocking=True)
             if ready is not None:
                 ready.record()

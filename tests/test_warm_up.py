@@ -272,11 +272,11 @@ def test_the_compiled_step_is_switched_to_between_requests():
 
 
 @pytest.mark.compile
-def test_a_request_switches_to_the_compiled_step_between_two_of_its_steps():
+def test_a_request_switches_to_the_compiled_step_between_two_of_its_steps(capsys):
     """A request that started while the block compiled switches to it between
     two of its steps once it is ready (a long one would otherwise decode
     uncompiled to its end), and its greedy tokens are those of a request that
-    ran uncompiled throughout."""
+    ran uncompiled throughout; the switch is said at the next request's start."""
     from brisklm.api import LLM
     want = list(LLM(tiny_model(), None, max_seq_length=128).stream_ids([1, 2, 3], 40, stop_ids=()))
     llm = LLM(tiny_model(), None, max_seq_length=128, compile=True)
@@ -289,6 +289,12 @@ def test_a_request_switches_to_the_compiled_step_between_two_of_its_steps():
     got += list(run)
     assert steps.adopted and not steps.compiling
     assert got == want
+    llm.quiet = False  # (said at the next request's start, not in the middle of a request's text)
+    capsys.readouterr()
+    list(llm.stream_ids([1, 2, 3], 2, stop_ids=()))
+    list(llm.stream_ids([1, 2, 3], 2, stop_ids=()))
+    said = capsys.readouterr().err
+    assert said.count("the last request switched to it") == 1, said
 
 
 @pytest.mark.compile
