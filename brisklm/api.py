@@ -230,11 +230,8 @@ class LLM:
         `end` the positions it can reach), said on one line (announce); a
         failed compile is said once, and decoding goes on uncompiled. True
         if this call switched."""
-        steps, midway = self.generator.steps, self.generator.switched_midway
-        if midway is not None:  # (not said in the middle of a request's text)
-            self.generator.switched_midway = None
-            log(f"[the compiled decode step is ready ({midway:.1f} s on another thread): the last request "
-                f"switched to it]", self.quiet or not announce)
+        steps = self.generator.steps
+        self.say_switched_midway(announce)
         if steps.compiler is None:
             return False
         adopted_before = steps.adopted  # (the decode step's stage, where the compile has two)
@@ -254,6 +251,14 @@ class LLM:
             what = "the prompts' steps go on" if steps.adopted else "decoding goes on"
             log(f"[compiling the step failed, {what} uncompiled: {error[0][:200]}]", self.quiet)
         return switched
+
+    def say_switched_midway(self, announce: bool = True):
+        """Say, once, that a request switched to the compiled decode step
+        between two of its steps (not said in the middle of its text)."""
+        midway, self.generator.switched_midway = self.generator.switched_midway, None
+        if midway is not None:
+            log(f"[the compiled decode step is ready ({midway:.1f} s on another thread): the last request "
+                f"switched to it]", self.quiet or not announce)
 
     def warm_pending(self, stop=lambda: False) -> bool:
         """Until stop() says so: wait for the step compiling on another

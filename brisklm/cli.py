@@ -416,6 +416,7 @@ def cmd_generate(args):
                f"{s.drafted_steps} of {s.target_steps} steps"
                + (", plain decoding where they did not pay)" if s.drafted_steps < s.target_steps else ")")
                if s.target_steps else ""), quiet)
+        llm.say_switched_midway()
         if profiling and int(os.environ.get("RANK", "0")) == 0:  # (tensor-parallel: the first rank's)
             prof.export_chrome_trace(args.profile)
             log(f"Profile written to {args.profile}", quiet)
