@@ -381,7 +381,7 @@ def cmd_generate(args):
     llm.check(prompt_ids, args.max_new_tokens)  # before any compile
     # (this prompt's graphs only: a one-shot run needs no others)
     llm.warm_up(prompt_ids, quiet=quiet, prompts=[len(prompt_ids)], constrained=bool(constraint),
-                sampled=args.temperature > 0, wait=True if asked else None)
+                sampled=args.temperature > 0, wait=asked or None)
     device = llm.generator.device
     rates, samples = [], []
     for i in range(args.num_samples):

@@ -237,8 +237,7 @@ COMPILE_NICENESS = 10
 # While the compile thread runs beside graphed requests (CUDA), the interpreter's switch interval
 # is this short. Each torch call of a request's step releases Python's lock, the compile (Python
 # tracing, most of its work on a GPU) takes it, and the request gets it back only when the
-# interpreter forces a switch: at the default 5 ms the 8B preset decoded at 63 tok/s beside the
-# compile, at 0.1 ms 124 (one H100; benchmarks/RESULTS.md).
+# interpreter forces a switch, by default after 5 ms: several such waits a decode step.
 COMPILE_SWITCH_INTERVAL_S = 1e-4
 
 
@@ -695,8 +694,7 @@ class Steps:
         a request reaching them would wait for (a failed compile is left to
         the next request's switch, which says so)."""
         return (self.compiler is not None and not self.adopted and not self.compiler.is_alive()
-                and self.compiler.ident is not None and self.compile_error is None
-                and end <= self.max_seq_length - self.reserved)
+                and self.compile_error is None and end <= self.max_seq_length - self.reserved)
 
     @property
     def adopted(self) -> bool:
