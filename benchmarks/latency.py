@@ -20,9 +20,8 @@ once; then 200-token greedy runs are timed while the compile goes on (on
 a GPU the decode step's shape compiles first, and the runs switch to it,
 "decoding compiled from", while the other shapes compile; their rate is
 all their tokens over all their time, the runs before the switch also
-apart); then the first
-request after the compile is ready (the one that switches to it,
-recapturing the graphs) against its steady time.
+apart); then the first request after the compile is ready (the one that
+switches to it, recapturing the graphs) against its steady time.
 
 Each request of the table then makes --new_tokens tokens from a fresh
 cache (random prompt ids, seeded by length). "first" is its first run in the process, "steady"

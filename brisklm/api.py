@@ -238,13 +238,11 @@ class LLM:
         with torch.no_grad():
             switched = self.generator.adopt_compiled(end)
         quiet = self.quiet or not announce
-        if switched and steps.compiler is not None:  # (the decode step's; the other shapes compile on)
-            log(f"[the compiled decode step is ready ({steps.compile_s:.1f} s on another thread): "
-                f"full speed from here on]", quiet)
-        elif switched and adopted_before:
+        if switched and adopted_before:
             log(f"[the compiled steps for prompts are ready too ({steps.compile_s:.1f} s in all)]", quiet)
-        elif switched:
-            log(f"[the compiled step is ready ({steps.compile_s:.1f} s on another thread): full speed from here on]",
+        elif switched:  # (staged: the decode step's, while the other shapes compile on)
+            what = "decode step" if steps.compiler is not None else "step"
+            log(f"[the compiled {what} is ready ({steps.compile_s:.1f} s on another thread): full speed from here on]",
                 quiet)
         elif steps.compiler is None:
             error = str(steps.compile_error).strip().splitlines() or [type(steps.compile_error).__name__]
